@@ -1,0 +1,521 @@
+"""Arrays of any framework behind one small holder: DLPack in, validation, results back in the caller's kind.
+
+`wrap` picks a holder class by the array's top-level module (``numpy``, ``cupy``, ``torch``, ``jax``) and
+imports nothing else: a NumPy user never imports torch. A holder exposes what the kernel launch reads (shape,
+strides in elements, dtype name, device, data pointer, the framework's current stream) and three conversions:
+a host NumPy view (zero copy on the CPU), a new array of the same framework and device (kernel outputs), and a
+NumPy result handed back in the caller's framework and device.
+
+>>> import numpy as np
+>>> x = wrap(np.ones((1, 2, 3, 4), np.float32).transpose(0, 2, 1, 3), "q")
+>>> x.framework, x.dtype, x.device, x.shape, x.strides
+('numpy', 'float32', ('cpu', 0), (1, 3, 2, 4), (24, 4, 12, 1))
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import ml_dtypes
+import numpy as np
+
+from .layout import BlockLayout
+
+#: The dtypes cusparseattn computes in, by name, with their NumPy dtype (bfloat16 from ml_dtypes). CuPy and
+#: JAX take these NumPy dtypes as they are; torch's dtype of the same name is ``getattr(torch, name)``.
+DTYPES: dict[str, np.dtype] = {
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+}
+
+Device = tuple[str, int]
+CPU: Device = ("cpu", 0)
+
+
+def device_name(device: Device) -> str:
+    """``('cpu', 0)`` -> ``'cpu'``, ``('cuda', 1)`` -> ``'cuda:1'``."""
+    kind, index = device
+    return kind if kind == "cpu" else f"{kind}:{index}"
+
+
+def _type_name(x) -> str:
+    return f"{type(x).__module__}.{type(x).__qualname__}"
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+class Tensor:
+    """One array of one framework, seen the way cusparseattn needs it.
+
+    Subclasses fill ``framework`` and the properties; ``native`` is the caller's array, ``name`` the argument
+    name used in error messages.
+    """
+
+    framework = ""
+
+    def __init__(self, native, name: str = "array"):
+        self.native = native
+        self.name = name
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Strides in elements (not bytes)."""
+        raise NotImplementedError
+
+    @property
+    def dtype(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def device(self) -> Device:
+        raise NotImplementedError
+
+    @property
+    def data_ptr(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def stream(self) -> int:
+        """The framework's current CUDA stream on this array's device (0 on the CPU)."""
+        raise NotImplementedError
+
+    def numpy(self) -> np.ndarray:
+        """A host NumPy array of the same values: a view of the same memory on the CPU, a copy from a GPU."""
+        raise NotImplementedError
+
+    def empty(self, shape: tuple[int, ...], dtype: str) -> Tensor:
+        """A new, uninitialised, C-contiguous array of this framework on this device."""
+        raise NotImplementedError
+
+    def from_numpy(self, arr: np.ndarray) -> Tensor:
+        """``arr`` in this framework on this device (no copy on the CPU where the framework allows it)."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return f"{self.name} {self.dtype} {list(self.shape)} ({self.framework}, {device_name(self.device)})"
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.describe()}>"
+
+
+class NumpyTensor(Tensor):
+    framework = "numpy"
+
+    def __init__(self, native, name: str = "array"):
+        super().__init__(np.asarray(native), name)
+
+    @property
+    def shape(self):
+        return self.native.shape
+
+    @property
+    def strides(self):
+        size = self.native.itemsize
+        if any(s % size for s in self.native.strides):
+            raise ValueError(f"{self.name} has byte strides {self.native.strides}, not whole elements")
+        return tuple(s // size for s in self.native.strides)
+
+    @property
+    def dtype(self):
+        return self.native.dtype.name
+
+    @property
+    def device(self):
+        return CPU
+
+    @property
+    def data_ptr(self):
+        return self.native.ctypes.data
+
+    @property
+    def stream(self):
+        return 0
+
+    def numpy(self):
+        return self.native
+
+    def empty(self, shape, dtype):
+        return NumpyTensor(np.empty(shape, DTYPES[dtype]), self.name)
+
+    def from_numpy(self, arr):
+        return NumpyTensor(arr, self.name)
+
+
+class CupyTensor(Tensor):
+    framework = "cupy"
+
+    @property
+    def shape(self):
+        return self.native.shape
+
+    @property
+    def strides(self):
+        return tuple(s // self.native.itemsize for s in self.native.strides)
+
+    @property
+    def dtype(self):
+        return self.native.dtype.name
+
+    @property
+    def device(self):
+        return ("cuda", self.native.device.id)
+
+    @property
+    def data_ptr(self):
+        return self.native.data.ptr
+
+    @property
+    def stream(self):
+        import cupy
+
+        with self.native.device:
+            return cupy.cuda.get_current_stream().ptr
+
+    def numpy(self):
+        import cupy
+
+        return cupy.asnumpy(self.native)
+
+    def empty(self, shape, dtype):
+        import cupy
+
+        with self.native.device:
+            return CupyTensor(cupy.empty(shape, DTYPES[dtype]), self.name)
+
+    def from_numpy(self, arr):
+        import cupy
+
+        with self.native.device:
+            return CupyTensor(cupy.asarray(arr), self.name)
+
+
+class TorchTensor(Tensor):
+    framework = "torch"
+
+    def __init__(self, native, name: str = "array"):
+        import torch
+
+        if not isinstance(native, torch.Tensor):
+            raise TypeError(f"{name} must be an array, got {_type_name(native)}")
+        super().__init__(native, name)
+
+    @property
+    def shape(self):
+        return tuple(self.native.shape)
+
+    @property
+    def strides(self):
+        return tuple(self.native.stride())
+
+    @property
+    def dtype(self):
+        return str(self.native.dtype).removeprefix("torch.")
+
+    @property
+    def device(self):
+        dev = self.native.device
+        return CPU if dev.type == "cpu" else (dev.type, dev.index or 0)
+
+    @property
+    def data_ptr(self):
+        return self.native.data_ptr()
+
+    @property
+    def stream(self):
+        import torch
+
+        if self.native.device.type != "cuda":
+            return 0
+        return torch.cuda.current_stream(self.native.device).cuda_stream
+
+    def numpy(self):
+        import torch
+
+        # DLPack refuses tensors that require grad and views with a pending negation; neither copies here.
+        t = self.native.detach().resolve_neg()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.dtype == torch.bfloat16:
+            # DLPack has no bfloat16 that NumPy reads: move the bits as uint16 and re-view them.
+            return np.from_dlpack(t.view(torch.uint16)).view(DTYPES["bfloat16"])
+        return np.from_dlpack(t)
+
+    def empty(self, shape, dtype):
+        import torch
+
+        t = torch.empty(shape, dtype=getattr(torch, dtype), device=self.native.device)
+        return TorchTensor(t, self.name)
+
+    def from_numpy(self, arr):
+        import torch
+
+        if not arr.flags.writeable:
+            arr = arr.copy()  # torch tensors are always writable; never hand one a read-only buffer
+        if arr.dtype == DTYPES["bfloat16"]:
+            t = torch.from_numpy(arr.view(np.uint16)).view(torch.bfloat16)
+        else:
+            t = torch.from_numpy(arr)
+        return TorchTensor(t.to(self.native.device) if self.native.device.type != "cpu" else t, self.name)
+
+
+class JaxTensor(Tensor):
+    """A JAX array, or a tracer inside ``jax.jit`` (shape and dtype only: it has no memory yet).
+
+    A tracer's device is JAX's default device (``jax.default_device``), where ``jit`` places a computation
+    whose inputs are not committed to another.
+    """
+
+    framework = "jax"
+
+    def __init__(self, native, name: str = "array"):
+        import jax
+
+        super().__init__(native, name)
+        self.traced = isinstance(native, jax.core.Tracer)
+        if self.traced:
+            dev = jax.config.jax_default_device or jax.devices()[0]
+            if isinstance(dev, str):  # a platform name, e.g. jax.default_device("cpu")
+                dev = jax.devices(dev)[0]
+        else:
+            devices = native.devices()
+            if len(devices) != 1:
+                raise ValueError(
+                    f"{name} is spread over {len(devices)} devices; pass an array on one device "
+                    "(e.g. jax.device_put(x, jax.devices()[0]))"
+                )
+            (dev,) = devices
+        self._jax_device = dev
+
+    @property
+    def shape(self):
+        return tuple(self.native.shape)
+
+    @property
+    def strides(self):
+        return _contiguous_strides(self.shape)  # JAX arrays are dense and row-major
+
+    @property
+    def dtype(self):
+        return np.dtype(self.native.dtype).name
+
+    @property
+    def device(self):
+        dev = self._jax_device
+        if dev.platform == "cpu":
+            return CPU
+        index = getattr(dev, "local_hardware_id", None)
+        kind = "cuda" if dev.platform in ("gpu", "cuda") else dev.platform
+        return (kind, dev.id if index is None else index)
+
+    def _concrete(self, what: str):
+        if self.traced:
+            raise TypeError(f"{self.name} is traced inside jax.jit and has no {what} yet")
+        return self.native
+
+    @property
+    def data_ptr(self):
+        return self._concrete("memory").unsafe_buffer_pointer()
+
+    @property
+    def stream(self):
+        # JAX does not expose its streams: finish the work pending on the array, launch on the default stream.
+        self._concrete("stream").block_until_ready()
+        return 0
+
+    def numpy(self):
+        x = self._concrete("values")
+        if self.device == CPU and self.dtype != "bfloat16":
+            return np.from_dlpack(x)
+        # __array__ of a CPU array is a zero-copy view, bfloat16 included; from a GPU it copies to the host.
+        return np.asarray(x)
+
+    def empty(self, shape, dtype):
+        import jax
+        import jax.numpy as jnp
+
+        if self.device == CPU:
+            return JaxTensor(jnp.empty(shape, DTYPES[dtype], device=self._jax_device), self.name)
+        import cupy
+
+        # JAX allocates no uninitialised GPU memory: CuPy does, and a JAX array takes it over through DLPack.
+        with cupy.cuda.Device(self.device[1]):
+            buf = cupy.empty(shape, DTYPES[dtype])
+        return JaxTensor(jax.dlpack.from_dlpack(buf), self.name)
+
+    def from_numpy(self, arr):
+        import jax
+        import jax.numpy as jnp
+
+        if self.device == CPU:
+            try:
+                return JaxTensor(jnp.from_dlpack(arr, copy=False), self.name)
+            except (BufferError, ValueError):
+                pass  # unaligned (XLA wants 64 bytes) or bfloat16, which DLPack cannot carry: one copy
+        return JaxTensor(jax.device_put(arr, self._jax_device), self.name)
+
+
+_HOLDERS: dict[str, type[Tensor]] = {
+    "numpy": NumpyTensor,
+    "cupy": CupyTensor,
+    "torch": TorchTensor,
+    "jax": JaxTensor,
+    "jaxlib": JaxTensor,  # concrete JAX arrays are jaxlib types
+}
+
+
+def wrap(x, name: str = "array") -> Tensor:
+    """The holder for ``x``, a NumPy, CuPy, PyTorch or JAX array; ``name`` names it in error messages.
+
+    >>> import numpy as np
+    >>> wrap(np.zeros((2, 3), np.float16), "k").describe()
+    'k float16 [2, 3] (numpy, cpu)'
+    >>> wrap([1, 2], "k")
+    Traceback (most recent call last):
+    ...
+    TypeError: k must be a NumPy, CuPy, PyTorch or JAX array, got builtins.list
+    """
+    if isinstance(x, Tensor):
+        return x
+    cls = _HOLDERS.get(type(x).__module__.split(".")[0])
+    if cls is None:
+        raise TypeError(f"{name} must be a NumPy, CuPy, PyTorch or JAX array, got {_type_name(x)}")
+    return cls(x, name)
+
+
+class Sizes(NamedTuple):
+    """The sizes of one attention call, read off validated inputs."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    dtype: str
+    device: Device
+    framework: str
+
+
+def _set(values) -> str:
+    return "{" + ", ".join(repr(v) for v in sorted(set(values))) + "}"
+
+
+def _names(holders) -> str:
+    return ", ".join(h.name for h in holders)
+
+
+def validate(q, k, v, *, dout=None, out=None, lse=None) -> Sizes:
+    """Check one attention call's arrays (or their holders) and return its sizes; raise naming the argument.
+
+    ``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, Sk, D]`` with Hq a multiple of Hkv; for the backward also ``dout``
+    and ``out`` shaped like q and ``lse [B, Hq, Sq]``. Any strides with a contiguous last dimension, so
+    ``[B, S, H, D]`` arrays pass as the views ``x.transpose(1, 2)`` without a copy.
+
+    >>> import numpy as np
+    >>> q, k = np.ones((1, 12, 8, 4), np.float32), np.ones((1, 8, 8, 4), np.float32)
+    >>> validate(q, k, k)
+    Traceback (most recent call last):
+    ...
+    ValueError: k has 8 heads, and q's 12 heads are not a multiple of it
+    """
+    q, k, v = wrap(q, "q"), wrap(k, "k"), wrap(v, "v")
+    dout, out, lse = (
+        None if x is None else wrap(x, name) for name, x in (("dout", dout), ("out", out), ("lse", lse))
+    )
+    grads = [h for h in (dout, out) if h is not None]
+    arrays = [h for h in (dout, q, k, v, out) if h is not None]
+    everything = arrays + ([lse] if lse is not None else [])
+
+    frameworks = {h.framework for h in everything}
+    if len(frameworks) > 1:
+        raise TypeError(f"{_names(everything)} must be arrays of one framework, got {_set(frameworks)}")
+
+    for h in arrays:
+        if h.ndim != 4:
+            raise ValueError(
+                f"{h.name} must be 4-D [batch, heads, seq, head_dim], got shape {h.shape}; "
+                "for [batch, seq, heads, head_dim] arrays pass the view x.transpose(1, 2)"
+            )
+        if 0 in h.shape:
+            raise ValueError(f"{h.name} has an empty dimension: shape {h.shape}")
+    (B, Hq, Sq, D), (Bk, Hkv, Sk, Dk) = q.shape, k.shape
+    if Bk != B:
+        raise ValueError(f"k has batch size {Bk}, expected q's batch size {B}")
+    if Dk != D:
+        raise ValueError(f"k has head dim {Dk}, expected q's head dim {D}")
+    if v.shape != k.shape:
+        raise ValueError(f"v has shape {v.shape}, expected k's shape {k.shape}")
+    if Hq % Hkv:
+        raise ValueError(f"k has {Hkv} heads, and q's {Hq} heads are not a multiple of it")
+    for h in grads:
+        if h.shape != q.shape:
+            raise ValueError(f"{h.name} has shape {h.shape}, expected q's shape {q.shape}")
+    if lse is not None and lse.shape != (B, Hq, Sq):
+        raise ValueError(f"lse has shape {lse.shape}, expected (batch, q heads, q tokens) = {(B, Hq, Sq)}")
+
+    dtypes = {h.dtype for h in arrays}
+    if len(dtypes) > 1:
+        raise ValueError(f"{_names(arrays)} must have one dtype, got {_set(dtypes)}")
+    if q.dtype not in DTYPES:
+        raise ValueError(f"{_names(arrays)} have dtype {q.dtype}, expected one of {', '.join(DTYPES)}")
+    if lse is not None and lse.dtype not in ("float32", "float64"):
+        raise ValueError(f"lse has dtype {lse.dtype}, expected float32 (or float64)")
+
+    devices = {device_name(h.device) for h in everything}
+    if len(devices) > 1:
+        raise ValueError(f"{_names(everything)} must be on one device, got {_set(devices)}")
+    if q.device[0] not in ("cpu", "cuda"):
+        raise ValueError(f"{_names(everything)} are on {device_name(q.device)}; expected cpu or cuda arrays")
+
+    for h in everything:
+        if h.shape[-1] > 1 and h.strides[-1] != 1:
+            raise ValueError(
+                f"{h.name}'s last dimension must be contiguous (stride 1), got strides {h.strides}; "
+                "copy it (e.g. x.contiguous()): views such as [B, S, H, D] transposes are fine as they are"
+            )
+    return Sizes(B, Hq, Hkv, Sq, Sk, D, q.dtype, q.device, q.framework)
+
+
+def check_layout(layout: BlockLayout, sizes: Sizes) -> None:
+    """Check that a BlockLayout fits the inputs: its lengths, batch (1 or B) and heads (1 or Hq).
+
+    >>> import numpy as np
+    >>> lay = BlockLayout(np.ones((2, 2), bool), block_size=64, seq_q=128)
+    >>> check_layout(lay, Sizes(1, 4, 4, 100, 100, 64, "float32", ("cpu", 0), "numpy"))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: layout was built for seq_q=128, seq_k=128, but q has 100 tokens ...(100, 100), or pass...
+    """
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be None, a Pattern or a BlockLayout, got {type(layout).__qualname__}")
+    if (layout.seq_q, layout.seq_k) != (sizes.seq_q, sizes.seq_k):
+        raise ValueError(
+            f"layout was built for seq_q={layout.seq_q}, seq_k={layout.seq_k}, but q has {sizes.seq_q} "
+            f"tokens and k has {sizes.seq_k}; build the layout for these lengths with "
+            f"pattern.layout({sizes.seq_q}, {sizes.seq_k}), or pass the Pattern"
+        )
+    if layout.batch not in (1, sizes.batch):
+        raise ValueError(
+            f"layout has batch {layout.batch}, expected 1 (shared) or q's batch size {sizes.batch}"
+        )
+    if layout.heads not in (1, sizes.heads_q):
+        raise ValueError(
+            f"layout has {layout.heads} heads, expected 1 (shared) or q's {sizes.heads_q} heads "
+            "(layouts count query heads)"
+        )

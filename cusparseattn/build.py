@@ -1,0 +1,314 @@
+"""The kernel builder: one `KernelSpec` per compiled unit, compiled with NVRTC through CuPy and cached.
+
+A spec names everything that changes the machine code (pass, dtype, head dim, tiles, mask kind and the rule's
+C expression; never a rule's parameter values or a sequence length). Its source is a generated prelude of
+``#define`` lines followed by the unchanged kernel file with its header inlined, so CuPy's disk cache, keyed
+on the whole source text, the options, the architecture and the NVRTC version, never serves a stale binary.
+
+Numerics: CuPy appends ``-ftz=true`` to NVRTC's options, so fp32 denormals flush to zero. Softmax terms that
+small (< 2^-126) are far below what an fp16/bf16 output or an fp32 sum can show, and the tests compare every
+kernel with the float64 reference, so the kernels accept it. No ``-use_fast_math``: exp2f/logf are the precise
+single-precision functions.
+
+``python -m cusparseattn.build --check sm_80 sm_90`` compiles every specialisation with nvcc and fails on
+register spills (CI runs it; no GPU needed).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import re
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import env
+
+log = logging.getLogger("cusparseattn")
+
+DTYPES = {"float16": 0, "bfloat16": 1}
+RULE_MODES = {"none": 0, "expr": 1, "bits": 2}
+
+# Kernel tiles by padded head dim: (TILE_M, TILE_N, NWARPS). One warp owns 16 query rows. Measured on an H100
+# (bf16, S = 4096 and 16384, dense and causal): 128 x 128 beat 128 x 64 by 30 % and 64 x 64 by 10-40 %.
+TILES = {
+    64: (128, 128, 8),
+    128: (128, 128, 8),
+    256: (64, 32, 4),
+}
+
+
+def tile_config(head_dim: int) -> tuple[int, int, int]:
+    padded = -(-head_dim // 16) * 16
+    for limit in sorted(TILES):
+        if padded <= limit:
+            return TILES[limit]
+    raise ValueError(f"head dim {head_dim} is larger than the kernels' {max(TILES)}")
+
+
+# The kernels' `Params` struct (kernels/common.cuh), field by field, in order. align=True gives C's layout.
+PARAMS = np.dtype(
+    [
+        ("q", np.uint64), ("k", np.uint64), ("v", np.uint64), ("o", np.uint64), ("lse", np.uint64),
+        ("q_sb", np.int64), ("q_sh", np.int64), ("q_ss", np.int64),
+        ("k_sb", np.int64), ("k_sh", np.int64), ("k_ss", np.int64),
+        ("v_sb", np.int64), ("v_sh", np.int64), ("v_ss", np.int64),
+        ("o_sb", np.int64), ("o_sh", np.int64), ("o_ss", np.int64),
+        ("lse_sb", np.int64), ("lse_sh", np.int64),
+        ("seq_q", np.int32), ("seq_k", np.int32), ("heads_q", np.int32), ("group", np.int32),
+        ("layout_batch", np.int32), ("layout_heads", np.int32),
+        ("tiles_q", np.int32),
+        ("sub_q_shift", np.int32), ("sub_k_shift", np.int32), ("sub_k_count", np.int32),
+        ("scale", np.float32),
+        ("row_ptr", np.uint64), ("entries", np.uint64), ("sub_bits", np.uint64), ("bit_mask", np.uint64),
+        ("rule_p", np.int64, (8,)), ("rule_a", np.uint64, (4,)),
+    ],
+    align=True,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One compiled unit. The name lists every specialisation argument; it shows in logs and errors."""
+
+    kernel: str  # the source file in kernels/, without .cu
+    dtype: str
+    head_dim: int  # the real head dim; the kernel pads it to a multiple of 16
+    tiles: tuple[int, int, int]  # TILE_M, TILE_N, NWARPS
+    rule_mode: str = "none"
+    rule_expr: str | None = None
+
+    @classmethod
+    def make(
+        cls,
+        kernel: str,
+        dtype: str,
+        head_dim: int,
+        rule_mode: str = "none",
+        rule_expr: str | None = None,
+        tiles: tuple[int, int, int] | None = None,
+    ) -> KernelSpec:
+        """The spec for these inputs, with the tiles of the table (or `tiles`, for tuning)."""
+        return cls(kernel, dtype, head_dim, tiles or tile_config(head_dim), rule_mode, rule_expr)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"the kernels take {sorted(DTYPES)}, got dtype {self.dtype!r}")
+        if self.rule_mode not in RULE_MODES:
+            raise ValueError(f"rule_mode must be one of {sorted(RULE_MODES)}, got {self.rule_mode!r}")
+        if (self.rule_mode == "expr") != (self.rule_expr is not None):
+            raise ValueError("rule_expr is given exactly when rule_mode is 'expr'")
+
+    @property
+    def padded_head_dim(self) -> int:
+        return -(-self.head_dim // 16) * 16
+
+    @property
+    def name(self) -> str:
+        tm, tn, nw = self.tiles
+        dt = {"float16": "f16", "bfloat16": "bf16"}[self.dtype]
+        rule = self.rule_mode
+        if self.rule_expr is not None:
+            rule += hashlib.sha1(self.rule_expr.encode()).hexdigest()[:8]
+        return f"{self.kernel}_{dt}_d{self.head_dim}_q{tm}k{tn}w{nw}_{rule}"
+
+    @property
+    def shared_bytes(self) -> int:
+        tm, tn, _ = self.tiles
+        row = self.padded_head_dim + 8  # SMEM_ROW
+        return 2 * row * (tm + 2 * 2 * tn)
+
+    @property
+    def threads(self) -> int:
+        return self.tiles[2] * 32
+
+    def prelude(self) -> str:
+        tm, tn, nw = self.tiles
+        lines = [
+            f"// {self.name}: generated by cusparseattn.build",
+            f"#define CSA_DTYPE_BF16 {DTYPES[self.dtype]}",
+            f"#define HEAD_DIM {self.padded_head_dim}",
+            f"#define HEAD_DIM_REAL {self.head_dim}",
+            f"#define TILE_M {tm}",
+            f"#define TILE_N {tn}",
+            f"#define NWARPS {nw}",
+            f"#define RULE_MODE {RULE_MODES[self.rule_mode]}",
+        ]
+        if self.rule_expr is not None:
+            lines += [f"#define P{i} (p.rule_p[{i}])" for i in range(8)]
+            lines += [f"#define A{i} (p.rule_a[{i}])" for i in range(4)]
+            lines.append(f"#define CSA_RULE(b, h, q, k) ({self.rule_expr})")
+        return "\n".join(lines) + "\n"
+
+    def source(self) -> str:
+        return self.prelude() + _inline(self.kernel + ".cu")
+
+
+_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
+
+
+def _inline(filename: str, seen: frozenset = frozenset()) -> str:
+    """The file's text with its local "..." includes inlined (once each), so the source is self-contained."""
+    text = (env.kernels_dir() / filename).read_text()
+
+    def include(match: re.Match) -> str:
+        name = match.group(1)
+        return "" if name in seen else _inline(name, seen | {name})
+
+    return _INCLUDE.sub(include, text).replace("#pragma once", "")
+
+
+def nvrtc_options() -> tuple[str, ...]:
+    opts = ("--std=c++17",)
+    return opts + (("-lineinfo",) if env.lineinfo() else ())
+
+
+@functools.cache
+def load(spec: KernelSpec, device: int):
+    """The compiled kernel of `spec` for one device (compiled once per process; CuPy caches it on disk)."""
+    import cupy
+
+    source = spec.source()
+    if (dump := env.dump_dir()) is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+        (dump / f"{spec.name}.cu").write_text(source)
+    start = time.perf_counter()
+    with cupy.cuda.Device(device):
+        try:
+            module = cupy.RawModule(code=source, options=nvrtc_options())
+            function = module.get_function("csa_" + spec.kernel)
+        except cupy.cuda.compiler.CompileException as err:
+            raise RuntimeError(
+                f"cusparseattn: NVRTC failed to compile {spec.name} "
+                f"(set CUSPARSEATTN_DUMP_SOURCE=DIR to keep the source):\n{err}"
+            ) from err
+        function.max_dynamic_shared_size_bytes = spec.shared_bytes
+    seconds = time.perf_counter() - start
+    COMPILE_TIMES[spec.name] = seconds
+    (log.info if env.verbose() else log.debug)("cusparseattn: loaded %s in %.2f s", spec.name, seconds)
+    return function
+
+
+# Seconds each spec took to load in this process (compile, or read from CuPy's disk cache).
+COMPILE_TIMES: dict[str, float] = {}
+
+
+def all_specs() -> list[KernelSpec]:
+    """Every specialisation the library builds for the fast head dims, for the CI compile check."""
+    rules = [("none", None), ("bits", None), ("expr", "k <= q + P0")]
+    return [
+        KernelSpec.make("forward", dtype, d, mode, expr)
+        for dtype in DTYPES
+        for d in (32, 64, 96, 128, 256)
+        for mode, expr in rules
+    ]
+
+
+def _nvrtc_library():
+    """libnvrtc and the CUDA headers beside it (CUDA wheels or the toolkit), for the compile check; None
+    where there is none."""
+    import ctypes
+    import glob
+    import site
+    import sysconfig
+    from pathlib import Path
+
+    roots = [sysconfig.get_paths()["purelib"], *site.getsitepackages(), "/usr/local/cuda/lib64"]
+    for root in roots:
+        for path in sorted(
+            glob.glob(f"{root}/nvidia/cu1*/lib/libnvrtc.so*") + glob.glob(f"{root}/libnvrtc.so*")
+        ):
+            try:
+                # NVRTC dlopens its builtins by name: load them first from the same folder.
+                for builtins in glob.glob(str(Path(path).parent / "libnvrtc-builtins.so*")):
+                    ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+                include = Path(path).parent.parent / "include"
+                if (include / "cuda_fp16.h").is_file():
+                    return ctypes.CDLL(path), str(include)
+            except OSError:
+                continue
+    return None
+
+
+def nvrtc_compile(lib, source: str, arch: str, include: str) -> str:
+    """Compiles with NVRTC, as CuPy does at run time (no host headers, CuPy's -ftz=true); returns the log."""
+    import ctypes
+
+    prog = ctypes.c_void_p()
+    lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"k.cu", 0, None, None)
+    opts = [*nvrtc_options(), f"--gpu-architecture={arch}", f"-I{include}", "-ftz=true"]
+    argv = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+    status = lib.nvrtcCompileProgram(prog, len(opts), argv)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    buf = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, buf)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    if status != 0:
+        raise RuntimeError(buf.value.decode(errors="replace"))
+    return buf.value.decode(errors="replace")
+
+
+def check(archs: list[str]) -> int:
+    """Compile every spec with nvcc for each arch (registers, spills) and with NVRTC where libnvrtc is
+    installed (the run-time path). Fails on an error or a spill. Needs nvcc, no GPU."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        print("FAIL: nvcc is not on PATH")
+        return 1
+    lib, include = _nvrtc_library() or (None, None)
+    print(f"nvcc: {nvcc}; NVRTC: {include or 'not installed, skipped'}")
+
+    def compile_one(tmp: str, spec: KernelSpec, arch: str) -> tuple[str, list[str]]:
+        src = Path(tmp) / f"{spec.name}_{arch}.cu"
+        src.write_text(spec.source())
+        cmd = [nvcc, "-cubin", f"-arch={arch}", "-std=c++17", "-Xptxas", "-v", str(src), "-o", os.devnull]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        regs = re.search(r"Used (\d+) registers", res.stderr)
+        spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", res.stderr)]
+        problems = [res.stderr] if res.returncode else []
+        if any(spills):
+            problems.append(f"register spills {spills}")
+        if (
+            lib is not None and arch == archs[-1]
+        ):  # NVRTC's front end is the same for every arch: once per spec
+            try:
+                nvrtc_compile(lib, spec.source(), arch, include)
+            except RuntimeError as err:
+                problems.append(f"NVRTC: {err}")
+        line = (
+            f"{'FAIL' if problems else 'ok':4} {arch} {spec.name}: {regs.group(1) if regs else '?'} registers"
+        )
+        return line, problems
+
+    failures = 0
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        jobs = [pool.submit(compile_one, tmp, spec, arch) for spec in all_specs() for arch in archs]
+        for job in jobs:
+            line, problems = job.result()
+            failures += bool(problems)
+            print("\n".join([line, *problems]))
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=check.__doc__)
+    parser.add_argument("--check", nargs="+", metavar="ARCH", default=["sm_80", "sm_90"])
+    args = parser.parse_args(argv)
+    return 1 if check(args.check) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

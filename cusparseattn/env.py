@@ -1,0 +1,37 @@
+"""Every switch of cusparseattn in one place, read from environment variables prefixed ``CUSPARSEATTN_``.
+
+- ``CUSPARSEATTN_LINEINFO=1``: compile kernels with ``-lineinfo`` (source lines in ``ncu`` reports).
+- ``CUSPARSEATTN_DUMP_SOURCE=DIR``: write each generated kernel source to DIR (read it when NVRTC complains).
+- ``CUSPARSEATTN_VERBOSE=1``: log each kernel compile with its time.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(f"CUSPARSEATTN_{name}", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def lineinfo() -> bool:
+    return _flag("LINEINFO")
+
+
+def verbose() -> bool:
+    return _flag("VERBOSE")
+
+
+def dump_dir() -> Path | None:
+    value = os.environ.get("CUSPARSEATTN_DUMP_SOURCE", "").strip()
+    return Path(value) if value else None
+
+
+def kernels_dir() -> Path:
+    """The CUDA sources: inside the installed package, or `kernels/` beside it in a source checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "kernels", here.parent / "kernels"):
+        if (candidate / "common.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(f"cusparseattn's CUDA sources (kernels/*.cu) are missing next to {here}")

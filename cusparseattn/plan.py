@@ -1,0 +1,135 @@
+"""From a layout's blocks to the kernel's tiles: which key tiles each query tile visits, and how to mask them.
+
+The layout's block size is the user's unit of sparsity; the kernel's tile is its own. A tile is visited when
+any layout block inside it is set, runs with no mask when every block inside it is full and it ends before the
+sequence does, and is *partial* otherwise. A partial tile carries:
+
+- ``sub_bits``: two words of one bit per layout block inside the tile (row-major): where the block is set,
+  and where it is partial (the rule decides only there);
+- in ``bits`` mode (a rule with no C expression), the token mask of the whole tile, one bit per pair.
+
+Everything here is vectorised NumPy over tiles, computed once per (layout, tile shape, device) by
+`cusparseattn.cuda`, which caches the uploaded result for as long as the layout lives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .layout import BlockLayout
+
+MAX_BITS_TILES = 1 << 20  # partial tiles evaluated per chunk in bits mode (memory: chunk * TILE_M * TILE_N)
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    tile_m: int
+    tile_n: int
+    tiles_q: int
+    tiles_k: int
+    rule_mode: str  # "none", "expr" or "bits"
+    row_ptr: np.ndarray  # int32 [batch * heads * tiles_q + 1]
+    entries: np.ndarray  # int32 [nnz, 2]: key tile, partial index or -1
+    sub_bits: np.ndarray  # uint64 [n_partial, 2]: set cells, partial cells
+    bit_mask: np.ndarray  # uint64 [n_partial, tile_m, words] (bits mode) or [0]
+    sub_q_shift: int
+    sub_k_shift: int
+    sub_k_count: int
+
+    @property
+    def nnz(self) -> int:
+        return int(self.entries.shape[0])
+
+
+def rule_mode(layout: BlockLayout) -> str:
+    if layout.rule is None or not layout.partial.any():
+        return "none"
+    return "expr" if layout.rule.c_expr is not None else "bits"
+
+
+def _fine(mask: np.ndarray, rep_q: int, rep_k: int, rows: int, cols: int) -> np.ndarray:
+    """Blocks repeated onto a grid of cells no larger than a tile, cut to `rows` x `cols` cells."""
+    return mask.repeat(rep_q, axis=2).repeat(rep_k, axis=3)[:, :, :rows, :cols]
+
+
+def _tiled(cells: np.ndarray, tiles_q: int, per_q: int, tiles_k: int, per_k: int, fill: bool) -> np.ndarray:
+    """[B, H, rows, cols] cells padded with `fill` and viewed as [B, H, tiles_q, per_q, tiles_k, per_k]."""
+    nb, nh, rows, cols = cells.shape
+    pad = ((0, 0), (0, 0), (0, tiles_q * per_q - rows), (0, tiles_k * per_k - cols))
+    return np.pad(cells, pad, constant_values=fill).reshape(nb, nh, tiles_q, per_q, tiles_k, per_k)
+
+
+def build(layout: BlockLayout, tile_m: int, tile_n: int) -> TilePlan:
+    bq, bk = layout.block_size
+    cq, ck = min(bq, tile_m), min(bk, tile_n)  # cell: the largest unit inside which nothing changes
+    rows, cols = -(-layout.seq_q // cq), -(-layout.seq_k // ck)
+    tiles_q, tiles_k = -(-layout.seq_q // tile_m), -(-layout.seq_k // tile_n)
+    per_q, per_k = tile_m // cq, tile_n // ck
+
+    set_cells = _fine(layout.blocks, bq // cq, bk // ck, rows, cols)
+    full_cells = _fine(layout.full, bq // cq, bk // ck, rows, cols)
+    partial_cells = set_cells & ~full_cells
+    visited = _tiled(set_cells, tiles_q, per_q, tiles_k, per_k, False).any(axis=(3, 5))
+    # Rows past the sequence's end don't matter (nothing is written for them), so they pad as full.
+    full_padded = _tiled(full_cells, tiles_q, per_q, tiles_k, per_k, False)
+    row_pad = np.arange(tiles_q * per_q).reshape(tiles_q, per_q) >= rows
+    full_tile = (full_padded | row_pad[None, None, :, :, None, None]).all(axis=(3, 5))
+    full_tile &= (np.arange(tiles_k) + 1) * tile_n <= layout.seq_k  # ends before the keys do
+
+    counts = np.count_nonzero(visited, axis=3).reshape(-1)
+    row_ptr = np.zeros(counts.size + 1, dtype=np.int64)
+    np.cumsum(counts, out=row_ptr[1:])
+    b_i, h_i, tq_i, tk_i = np.nonzero(visited)
+    partial = ~full_tile[b_i, h_i, tq_i, tk_i]
+    pidx = np.full(b_i.size, -1, dtype=np.int64)
+    pidx[partial] = np.arange(np.count_nonzero(partial))
+
+    # Which cells of each partial tile are set, and which are partial, as bits (row-major inside the tile).
+    weights = np.left_shift(np.uint64(1), np.arange(per_q * per_k, dtype=np.uint64))
+    sub_bits = np.zeros((np.count_nonzero(partial), 2), dtype=np.uint64)
+    for word, cell_mask in enumerate((set_cells, partial_cells)):
+        cells = _tiled(cell_mask, tiles_q, per_q, tiles_k, per_k, False)
+        sel = cells[b_i[partial], h_i[partial], tq_i[partial], :, tk_i[partial], :].reshape(-1, per_q * per_k)
+        sub_bits[:, word] = (sel.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
+
+    mode = rule_mode(layout)
+    bit_mask = np.zeros(1, dtype=np.uint64)
+    if mode == "bits":
+        bit_mask = _bit_masks(
+            layout, b_i[partial], h_i[partial], tq_i[partial], tk_i[partial], tile_m, tile_n
+        )
+
+    return TilePlan(
+        tile_m=tile_m,
+        tile_n=tile_n,
+        tiles_q=tiles_q,
+        tiles_k=tiles_k,
+        rule_mode=mode,
+        row_ptr=row_ptr.astype(np.int32),
+        entries=np.stack([tk_i, pidx], axis=1).astype(np.int32),
+        sub_bits=sub_bits if sub_bits.size else np.zeros((1, 2), dtype=np.uint64),
+        bit_mask=bit_mask,
+        sub_q_shift=int(cq).bit_length() - 1,
+        sub_k_shift=int(ck).bit_length() - 1,
+        sub_k_count=per_k,
+    )
+
+
+def _bit_masks(layout, b, h, tq, tk, tile_m, tile_n) -> np.ndarray:
+    """The layout's token mask over each partial tile, packed little-endian into 64-bit words per row."""
+    words = -(-tile_n // 64)
+    out = np.zeros((b.size, tile_m, words), dtype=np.uint64)
+    r = np.arange(tile_m)[None, :, None]
+    c = np.arange(words * 64)[None, None, :]
+    step = max(1, MAX_BITS_TILES // (tile_m * tile_n))
+    for s in range(0, b.size, step):
+        sl = slice(s, s + step)
+        q = tq[sl, None, None] * tile_m + r
+        k = tk[sl, None, None] * tile_n + c
+        # The layout's head index: batch/head index 0 of a shared layout stands for all of them.
+        mask = layout.token_mask(b[sl, None, None], h[sl, None, None], q, k) & (c < tile_n)
+        packed = np.packbits(mask, axis=2, bitorder="little")  # [n, tile_m, words * 8] bytes
+        out[sl] = packed.view(np.uint64).reshape(-1, tile_m, words)
+    return out

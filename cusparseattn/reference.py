@@ -1,0 +1,346 @@
+"""The NumPy reference: block-sparse attention forward and backward, the oracle of every test.
+
+It computes the same function as the kernels: ``S = scale * q @ k^T`` masked by the layout (blocks, and the
+token rule inside partial blocks only), a softmax in float32 (float64 on request), ``out = P @ v`` and the
+natural-log log-sum-exp of each row. The backward is the flash-attention one: it recomputes
+``P = exp(S - lse)`` and uses ``delta = rowsum(dout * out)``.
+
+Memory stays bounded: query rows are processed in bands, and each band gathers only the key blocks that its
+block rows set, so a sparse layout costs proportionally less and no ``Sq x Sk`` array is ever built. A
+band's score tensor (``batch x heads x rows x gathered keys``) holds at most `CHUNK_BYTES`; peak extra memory
+is a few times that, plus the inputs upcast to the working precision.
+
+A query row that attends to nothing gets ``out = 0``, ``lse = -inf`` and zero gradients, never NaN.
+
+>>> import numpy as np
+>>> from cusparseattn.layout import BlockLayout
+>>> q = k = v = np.random.default_rng(0).standard_normal((1, 2, 64, 16), dtype=np.float32)
+>>> lay = BlockLayout(np.tril(np.ones((4, 4), bool)), block_size=16, seq_q=64)
+>>> out, lse = forward(q, k, v, lay)
+>>> out.dtype, lse.shape
+(dtype('float32'), (1, 2, 64))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import ml_dtypes
+import numpy as np
+
+from .layout import BlockLayout
+
+# Bytes of one band's score tensor in the working precision (the largest temporary; forward keeps about two
+# of these alive, backward about three). Tests lower it to exercise the banding.
+CHUNK_BYTES = 64 << 20
+
+_DTYPES = {np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64)}
+_PRECISIONS = {np.dtype(np.float32), np.dtype(np.float64)}
+
+
+def forward(q, k, v, layout: BlockLayout, *, scale=None, precision=np.float32):
+    """Block-sparse attention: ``(out, lse)`` for ``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, Sk, D]``.
+
+    Query head ``h`` uses key/value head ``h // (Hq // Hkv)``. Inputs are upcast exactly to ``precision``
+    (float32 or float64), ``out`` is rounded once to the inputs' dtype; ``lse [B, Hq, Sq]`` has the dtype of
+    ``precision``. Empty rows give ``out = 0`` and ``lse = -inf``.
+
+    >>> import numpy as np
+    >>> from cusparseattn.layout import BlockLayout
+    >>> rng = np.random.default_rng(0)
+    >>> q = rng.standard_normal((2, 4, 40, 8)).astype(np.float16)
+    >>> k, v = rng.standard_normal((2, 2, 2, 50, 8)).astype(np.float16)
+    >>> lay = BlockLayout(np.ones((3, 4), bool), block_size=16, seq_q=40, seq_k=50)
+    >>> out, lse = forward(q, k, v, lay)
+    >>> out.shape, out.dtype, lse.dtype
+    ((2, 4, 40, 8), dtype('float16'), dtype('float32'))
+    """
+    prec = _precision(precision)
+    q, k, v = _check_qkv(q, k, v)
+    _check_layout(layout, q.shape, k.shape)
+    scale = _scale(scale, q.shape[-1])
+    qp, kp, vp = (np.ascontiguousarray(x, dtype=prec) for x in (q, k, v))
+    out = np.zeros(q.shape, dtype=prec)
+    lse = np.full(q.shape[:3], -np.inf, dtype=prec)
+    for c in _chunks(layout, q.shape, k.shape[1], prec.itemsize):
+        rows, keys = c.rows, c.keys
+        s = _scores(qp[rows], kp[keys], scale, c.mask)
+        m = s.max(axis=-1, keepdims=True)
+        # An empty row has max -inf: shift it by 0 instead, so exp gives 0 and never exp(-inf - -inf) = NaN.
+        m[m == -np.inf] = 0
+        s -= m
+        p = np.exp(s, out=s)
+        denom = p.sum(axis=-1)
+        nonempty = denom > 0
+        o = _grouped(p, vp[keys])
+        o /= np.where(nonempty, denom, 1)[..., None]
+        out[rows] = o
+        with np.errstate(divide="ignore"):
+            lse[rows] = np.where(nonempty, m[..., 0] + np.log(denom), -np.inf)
+    return out.astype(q.dtype), lse
+
+
+def backward(dout, q, k, v, out, lse, layout: BlockLayout, *, scale=None, precision=np.float32):
+    """Gradients ``(dq, dk, dv)`` of block-sparse attention, given the forward's ``out`` and ``lse``.
+
+    Flash-attention math: ``P = exp(S - lse)``, ``dV = P^T dO``, ``dP = dO V^T``, ``delta = rowsum(dO * O)``
+    (from ``out`` as given), ``dS = P * (dP - delta)``, ``dQ = scale * dS K``, ``dK = scale * dS^T Q``; with
+    GQA, ``dk`` and ``dv`` sum over the query heads of each group. Rows with ``lse = -inf`` contribute
+    nothing. Each gradient has the dtype of its input.
+
+    >>> import numpy as np
+    >>> from cusparseattn.layout import BlockLayout
+    >>> q = k = v = np.random.default_rng(0).standard_normal((1, 1, 32, 8))
+    >>> lay = BlockLayout(np.tril(np.ones((2, 2), bool)), block_size=16, seq_q=32)
+    >>> out, lse = forward(q, k, v, lay, precision=np.float64)
+    >>> dq, dk, dv = backward(np.ones_like(out), q, k, v, out, lse, lay, precision=np.float64)
+    >>> bool(np.allclose(dv.sum(axis=2), 32))  # each query row's probabilities sum to 1
+    True
+    """
+    prec = _precision(precision)
+    q, k, v = _check_qkv(q, k, v)
+    _check_layout(layout, q.shape, k.shape)
+    dout, out, lse = (np.asarray(x) for x in (dout, out, lse))
+    for name, arr, shape in (("dout", dout, q.shape), ("out", out, q.shape), ("lse", lse, q.shape[:3])):
+        if arr.shape != shape:
+            raise ValueError(f"{name} must have shape {shape} (from q), got {arr.shape}")
+    scale = _scale(scale, q.shape[-1])
+    qp, kp, vp, dop = (np.ascontiguousarray(x, dtype=prec) for x in (q, k, v, dout))
+    delta = np.einsum("bhsd,bhsd->bhs", dop, out.astype(prec, copy=False))
+    # P = exp(S - lse): an lse of -inf (empty row) becomes +inf so that P is 0 even where S is -inf.
+    lse_p = np.where(lse == -np.inf, np.inf, lse.astype(prec, copy=False))
+    dq, dk, dv = np.zeros_like(qp), np.zeros_like(kp), np.zeros_like(vp)
+    for c in _chunks(layout, q.shape, k.shape[1], prec.itemsize):
+        rows, keys, hkv = c.rows, c.keys, c.k1 - c.k0
+        qc, doc, kc, vc = qp[rows], dop[rows], kp[keys], vp[keys]
+        s = _scores(qc, kc, scale, c.mask)
+        s -= lse_p[rows][..., None]
+        p = np.exp(s, out=s)
+        dv[keys] += _grouped_t(p, doc, hkv)
+        ds = _grouped(doc, vc.swapaxes(-1, -2))
+        ds -= delta[rows][..., None]
+        ds *= p
+        dq[rows] = scale * _grouped(ds, kc)
+        dk[keys] += scale * _grouped_t(ds, qc, hkv)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def dense_forward(q, k, v, mask, *, scale=None, precision=np.float64):
+    """Plain masked softmax attention with a full token mask ``[B|1, H|1, Sq, Sk]``: the oracle of the oracle.
+
+    Written as directly as possible (GQA by repeating k/v heads, the whole ``Sq x Sk`` score matrix), for
+    tests at small sizes. Same contract as `forward`.
+
+    >>> import numpy as np
+    >>> q = k = v = np.random.default_rng(0).standard_normal((1, 1, 8, 4))
+    >>> out, lse = dense_forward(q, k, v, np.tril(np.ones((8, 8), bool)))
+    >>> bool(np.allclose(out[0, 0, 0], v[0, 0, 0]))  # the first query sees only the first key
+    True
+    """
+    prec = _precision(precision)
+    q, k, v = _check_qkv(q, k, v)
+    scale = _scale(scale, q.shape[-1])
+    (b, hq, sq, _), (_, hkv, sk, _) = q.shape, k.shape
+    mask = np.asarray(mask, dtype=bool)
+    try:
+        mask = np.broadcast_to(mask, (b, hq, sq, sk))
+    except ValueError:
+        raise ValueError(
+            f"mask must broadcast to [B, Hq, Sq, Sk] = {[b, hq, sq, sk]}, got {mask.shape}"
+        ) from None
+    qp = q.astype(prec)
+    kp, vp = (np.repeat(x.astype(prec), hq // hkv, axis=1) for x in (k, v))
+    s = np.where(mask, scale * (qp @ kp.swapaxes(-1, -2)), -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(m == -np.inf, 0, m)
+    p = np.exp(s - m)
+    denom = p.sum(axis=-1, keepdims=True)
+    out = (p @ vp) / np.where(denom > 0, denom, 1)
+    with np.errstate(divide="ignore"):
+        lse = np.where(denom > 0, m + np.log(denom), -np.inf)[..., 0]
+    return out.astype(q.dtype), lse.astype(prec)
+
+
+# ---- validation --------------------------------------------------------------------------------------------
+
+
+def _precision(precision) -> np.dtype:
+    try:
+        prec = np.dtype(precision)
+    except TypeError:
+        prec = None
+    if prec not in _PRECISIONS:
+        raise ValueError(f"precision must be float32 or float64, got {precision!r}")
+    return prec
+
+
+def _check_qkv(q, k, v):
+    q, k, v = (np.asarray(x) for x in (q, k, v))
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(
+                f"{name} must have 4 dimensions [batch, heads, seq, head_dim], got shape {x.shape}"
+            )
+        if x.dtype not in _DTYPES:
+            raise ValueError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"v must have the shape of k {k.shape}, got {v.shape}")
+    (b, hq, _, d), (bk, hkv, _, dk) = q.shape, k.shape
+    if bk != b:
+        raise ValueError(f"k has batch {bk}, expected q's batch {b}")
+    if dk != d:
+        raise ValueError(f"k has head_dim {dk}, expected q's head_dim {d}")
+    if hq % hkv:
+        raise ValueError(f"k has {hkv} heads, and q's {hq} heads are not a multiple of it")
+    return q, k, v
+
+
+def _check_layout(layout, q_shape, k_shape) -> None:
+    (b, hq, sq, _), sk = q_shape, k_shape[2]
+    if not isinstance(layout, BlockLayout):
+        raise ValueError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+    if (layout.seq_q, layout.seq_k) != (sq, sk):
+        raise ValueError(
+            f"layout is for seq_q={layout.seq_q}, seq_k={layout.seq_k}, but q has {sq} tokens and k has {sk}"
+        )
+    if layout.batch not in (1, b):
+        raise ValueError(f"layout has batch {layout.batch}, expected 1 or q's batch {b}")
+    if layout.heads not in (1, hq):
+        raise ValueError(f"layout has {layout.heads} heads, expected 1 or q's {hq} heads")
+
+
+def _scale(scale, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+# ---- the banded walk ---------------------------------------------------------------------------------------
+
+
+class _Chunk(NamedTuple):
+    """Query rows ``r0:r1`` of batches ``b0:b1``, query heads ``h0:h1`` (key/value heads ``k0:k1``), against
+    the key tokens ``cols``; ``mask`` broadcasts against the scores ``[b, h, rows, cols]``."""
+
+    b0: int
+    b1: int
+    h0: int
+    h1: int
+    k0: int
+    k1: int
+    r0: int
+    r1: int
+    cols: np.ndarray
+    mask: np.ndarray
+
+    @property
+    def rows(self) -> tuple:
+        """Index of the band's query rows in ``q``, ``out``, ``lse``: ``[b, h, rows]``."""
+        return slice(self.b0, self.b1), slice(self.h0, self.h1), slice(self.r0, self.r1)
+
+    @property
+    def keys(self) -> tuple:
+        """Index of the band's key tokens in ``k``, ``v`` (a gather; unique, so ``+=`` through it adds)."""
+        return slice(self.b0, self.b1), slice(self.k0, self.k1), self.cols
+
+
+def _chunks(layout: BlockLayout, q_shape, hkv: int, itemsize: int) -> Iterator[_Chunk]:
+    """Walk the layout's (batch, head) slices, and in each, bands of query rows with the key blocks they set.
+
+    Batch elements and heads that share a block mask are processed together; a band grows block row by block
+    row while its score tensor stays under `CHUNK_BYTES` (and is cut into fewer rows when even one block row
+    is too large). Block rows with no block set are skipped: their output stays 0 and their lse -inf.
+    """
+    nb, hq, sq, _ = q_shape
+    group = hq // hkv
+    bq, bk = layout.block_size
+    for bl in range(layout.batch):
+        b0, b1 = (bl, bl + 1) if layout.batch > 1 else (0, nb)
+        for hl in range(layout.heads):
+            if layout.heads > 1:
+                h0, h1, k0, k1 = hl, hl + 1, hl // group, hl // group + 1
+            else:
+                h0, h1, k0, k1 = 0, hq, 0, hkv
+            blocks = layout.blocks[bl, hl]
+            partial = layout.partial[bl, hl]
+            row_bytes = (b1 - b0) * (h1 - h0) * itemsize
+            b_idx, h_idx = np.arange(b0, b1), np.arange(h0, h1)
+            for r0, r1, cols in _bands(blocks, bq, bk, sq, layout.seq_k, row_bytes):
+                mask = _band_mask(layout, blocks, partial, b_idx, h_idx, np.arange(r0, r1), cols)
+                yield _Chunk(b0, b1, h0, h1, k0, k1, r0, r1, cols, mask)
+
+
+def _bands(blocks: np.ndarray, bq: int, bk: int, seq_q: int, seq_k: int, row_bytes: int):
+    """Yield ``(r0, r1, cols)``: query rows and the sorted key tokens of the blocks that those rows set."""
+    nq = blocks.shape[0]
+    nonempty = blocks.any(axis=1)
+    start = 0
+    while start < nq:
+        if not nonempty[start]:
+            start += 1
+            continue
+        union, end = blocks[start].copy(), start + 1
+        while end < nq and nonempty[end]:
+            grown = union | blocks[end]
+            if (end + 1 - start) * bq * np.count_nonzero(grown) * bk * row_bytes > CHUNK_BYTES:
+                break
+            union, end = grown, end + 1
+        cols = (np.flatnonzero(union)[:, None] * bk + np.arange(bk)).ravel()
+        cols = cols[cols < seq_k]
+        r0, r1 = start * bq, min(end * bq, seq_q)
+        step = max(1, CHUNK_BYTES // (cols.size * row_bytes))
+        for r in range(r0, r1, step):
+            yield r, min(r + step, r1), cols
+        start = end
+
+
+def _band_mask(layout, blocks, partial, b_idx, h_idx, rows, cols) -> np.ndarray:
+    """The token mask of one band: a block lookup, with the rule evaluated only at partial-block positions.
+
+    Same values as ``layout.token_mask`` (the rule gets absolute batch and query-head indices). The result is
+    ``[rows, cols]`` unless the rule depends on the batch or head, then ``[b|1, h|1, rows, cols]``.
+    """
+    qb, kb = rows // layout.block_size[0], cols // layout.block_size[1]
+    mask = blocks[np.ix_(qb, kb)]
+    if layout.rule is None:
+        return mask
+    i, j = np.nonzero(partial[np.ix_(qb, kb)])
+    if i.size == 0:
+        return mask
+    vals = layout.rule(b_idx[:, None, None], h_idx[None, :, None], rows[i], cols[j])
+    vals = np.broadcast_to(vals, np.broadcast_shapes(vals.shape, i.shape))
+    mask = np.broadcast_to(mask, vals.shape[:-1] + mask.shape).copy()
+    mask[..., i, j] = vals
+    return mask
+
+
+# ---- tile algebra ------------------------------------------------------------------------------------------
+
+
+def _scores(qc, kc, scale: float, mask) -> np.ndarray:
+    """``scale * q @ k^T`` with GQA, -inf where ``mask`` is False (a fresh array the caller may overwrite)."""
+    s = _grouped(qc, kc.swapaxes(-1, -2))
+    s *= scale
+    np.copyto(s, -np.inf, where=~mask)
+    return s
+
+
+def _grouped(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a @ b`` where ``a [n, Hq, r, x]`` has query heads and ``b [n, Hkv, x, c]`` key/value heads (GQA)."""
+    n, hq, r, x = a.shape
+    hkv = b.shape[1]
+    return np.matmul(a.reshape(n, hkv, hq // hkv, r, x), b[:, :, None]).reshape(n, hq, r, b.shape[-1])
+
+
+def _grouped_t(a: np.ndarray, b: np.ndarray, hkv: int) -> np.ndarray:
+    """``a^T @ b`` summed over each group's query heads: ``[n, Hq, r, c], [n, Hq, r, x] -> [n, Hkv, c, x]``.
+
+    The group's heads are folded into the contraction, so the sum is one matmul, not a ``[.., Hq, c, x]``
+    temporary.
+    """
+    n, hq, r, c = a.shape
+    g = hq // hkv
+    at = a.reshape(n, hkv, g, r, c).transpose(0, 1, 4, 2, 3).reshape(n, hkv, c, g * r)
+    return np.matmul(at, b.reshape(n, hkv, g * r, b.shape[-1]))

@@ -1,0 +1,46 @@
+"""Test session setup: GPU tests skip without a GPU, and Hypothesis runs under one reproducible profile.
+
+``@pytest.mark.gpu`` tests run only where CuPy sees a CUDA GPU (``python -m pytest -m gpu`` on a GPU host);
+elsewhere they skip with the reason. The Hypothesis profile ``ci`` has no deadline (the first call of a kernel
+compiles it), prints the reproduction blob of a failure, and derandomizes when ``CI=true`` so a CI run is
+repeatable; locally examples vary from run to run and failures are replayed from Hypothesis' database.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+from hypothesis import settings
+
+NO_GPU = "no CUDA GPU visible (cupy.cuda.runtime.getDeviceCount() == 0 or CuPy missing)"
+_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+settings.register_profile("ci", deadline=None, derandomize=_CI, print_blob=True)
+settings.load_profile("ci")
+
+
+@functools.cache
+def gpu_count() -> int:
+    """CUDA GPUs that CuPy sees; 0 without CuPy, a driver or a device."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # ImportError, or CUDARuntimeError without a driver
+        return 0
+
+
+def pytest_report_header(config) -> list[str]:
+    mode = "derandomized (CI=true)" if _CI else "random examples (set CI=true to derandomize)"
+    gpus = f"{gpu_count()} CUDA GPU(s) visible: gpu tests run" if gpu_count() else f"gpu tests skip: {NO_GPU}"
+    return [f"hypothesis profile 'ci': {mode}", f"cusparseattn: {gpus}"]
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if gpu_items and gpu_count() == 0:
+        skip = pytest.mark.skip(reason=NO_GPU)
+        for item in gpu_items:
+            item.add_marker(skip)

@@ -1,0 +1,44 @@
+"""Small forward cases for compute-sanitizer (run by tests/run_sanitizer.sh on a GPU host, not by pytest).
+
+Each case covers one path of the kernel: full tiles, C-expression masks, bit masks, empty rows, ragged
+lengths, GQA, [B, S, H, D] strides, head dims that are padded (40) or kept in shared memory (256).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+import cusparseattn as ca
+from cusparseattn import BlockLayout, TokenRule, patterns
+
+
+def random_layout(seq: int) -> BlockLayout:
+    rng = np.random.default_rng(0)
+    blocks = rng.random((2, 4, -(-seq // 32), -(-seq // 32))) < 0.4
+    blocks[..., 1, :] = False  # an empty row
+    rule = TokenRule("mod3", lambda b, h, q, k: (q + k) % 3 != 0)
+    return BlockLayout(blocks, block_size=32, seq_q=seq, partial=blocks, rule=rule)
+
+
+CASES = [
+    ("dense fp16 d64", torch.float16, 64, 2, 256, patterns.dense(block=64)),
+    ("causal bf16 d128 ragged", torch.bfloat16, 128, 1, 333, patterns.causal(block=128)),
+    ("local bf16 d40 bshd", torch.bfloat16, 40, 2, 300, patterns.local(window=70, block=16)),
+    ("random bits fp16 d256", torch.float16, 256, 4, 200, None),
+]
+
+
+def main() -> None:
+    for name, dtype, dim, group, seq, pattern in CASES:
+        layout = random_layout(seq) if pattern is None else pattern.layout(seq)
+        q = torch.randn(2, seq, 4, dim, device="cuda", dtype=dtype).transpose(1, 2)
+        k, v = (torch.randn(2, 4 // group, seq, dim, device="cuda", dtype=dtype) for _ in "kv")
+        out, lse = ca.attention_forward(q, k, v, layout)
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any(), name
+        print(f"ran {name}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

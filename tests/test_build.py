@@ -1,0 +1,81 @@
+"""The kernel builder: specs, generated sources, and the compile check of every specialisation (no GPU)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+from cusparseattn import build
+
+
+def test_spec_name_lists_every_specialisation_argument():
+    spec = build.KernelSpec.make("forward", "bfloat16", 128, "expr", "k <= q + P0")
+    tm, tn, nw = spec.tiles
+    assert spec.name.startswith(f"forward_bf16_d128_q{tm}k{tn}w{nw}_expr")
+    other = build.KernelSpec.make("forward", "bfloat16", 128, "expr", "k < q + P0")
+    assert other.name != spec.name and other != spec
+
+
+def test_rule_values_stay_out_of_the_source():
+    """A new window size is a new P0 value, not new code: the source depends on the expression alone."""
+    spec = build.KernelSpec.make("forward", "float16", 64, "expr", "q - k < P0")
+    assert "#define CSA_RULE(b, h, q, k) (q - k < P0)" in spec.source()
+    assert '#include "' not in spec.source()  # the header is inlined: the source text is the whole cache key
+
+
+def test_params_struct_matches_the_header():
+    """Every field of the NumPy mirror appears in kernels/common.cuh's Params, in the same order."""
+    from cusparseattn import env
+
+    header = (env.kernels_dir() / "common.cuh").read_text()
+    body = header[header.index("struct Params {") + 15 : header.index("};", header.index("struct Params {"))]
+    body = re.sub(r"//[^\n]*", "", body)
+    fields = []
+    for statement in filter(str.strip, body.split(";")):
+        declarators = statement.split(",")
+        declarators[0] = declarators[0].split()[-1]  # drop the type
+        fields += [re.sub(r"[*\s]|\[\d+\]", "", d) for d in declarators]
+    assert fields == list(build.PARAMS.names)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"dtype": "float32"}, "dtype"),
+        ({"rule_mode": "bogus"}, "rule_mode"),
+        ({"rule_mode": "expr"}, "rule_expr"),
+    ],
+)
+def test_bad_specs_are_refused(kwargs, match):
+    args = {"kernel": "forward", "dtype": "float16", "head_dim": 64, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        build.KernelSpec.make(**args)
+
+
+def test_tile_table_covers_every_supported_head_dim():
+    for head_dim in range(8, 257, 8):
+        tm, tn, nw = build.tile_config(head_dim)
+        assert tm == 16 * nw and tn % 16 == 0
+    with pytest.raises(ValueError, match="head dim"):
+        build.tile_config(264)
+
+
+def test_shared_memory_fits_a_hopper_or_ampere_sm():
+    for spec in build.all_specs():
+        assert spec.shared_bytes <= 227 * 1024, spec.name
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_every_specialisation_compiles_for_sm80_and_sm90_without_spills(capsys):
+    failures = build.check(["sm_80", "sm_90"])
+    report = capsys.readouterr().out
+    assert failures == 0, report
+    assert report.count("\nok") + report.startswith("ok") >= len(build.all_specs()) * 2
+
+
+def test_params_pack_as_one_struct():
+    params = np.zeros((), build.PARAMS)
+    assert build.PARAMS.isalignedstruct and params.nbytes == build.PARAMS.itemsize

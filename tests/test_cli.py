@@ -1,0 +1,85 @@
+"""``python -m cusparseattn demo|info``: they run, say which backend ran and why, and fail on errors."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import cusparseattn
+from cusparseattn import cuda
+from cusparseattn.__main__ import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "cusparseattn", *args], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+
+
+def test_demo_runs_checks_and_names_its_backend():
+    result = cli("demo")
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[-1] == "PASS"
+    assert any(line.startswith("max error vs the float64 reference: ") for line in lines)
+    backend = next(line for line in lines if line.startswith("backend: "))
+    if cuda.available():
+        # No GPU here: the demo says it ran the reference, and why the kernels could not run.
+        assert backend == "backend: reference"
+        why = next(line for line in lines if line.startswith("  not cuda: "))
+        assert all(reason in why for reason in cuda.available())
+    else:
+        assert backend == "backend: cuda"
+
+
+def test_info_runs():
+    result = cli("info")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert f"cusparseattn {cusparseattn.__version__}" in out and "numpy: " in out and "jax: " in out
+    assert "backends, in priority order: " in out
+    assert "  reference: can run" in out
+    if cuda.available():
+        assert "GPU: none usable" in out and "  cuda: cannot run: " in out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--seq-len", "200", "--block", "32", "--dtype", "bfloat16"],
+        ["--seq-len", "96", "--block", "16", "--window", "40", "--heads", "2", "--head-dim", "24"],
+        ["--seq-len", "128", "--dtype", "float32"],
+    ],
+)
+def test_demo_options(args, capsys):
+    assert main(["demo", *args]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1] == "PASS"
+
+
+def test_demo_writes_a_png(tmp_path, capsys):
+    image = pytest.importorskip("PIL.Image")
+    path = tmp_path / "layout.png"
+    assert main(["demo", "--seq-len", "256", "--block", "32", "--png", str(path)]) == 0
+    assert f"wrote {path}" in capsys.readouterr().out
+    with image.open(path) as img:
+        assert img.width > 1 and img.height > 1
+
+
+def test_demo_fails_on_a_wrong_result(monkeypatch, capsys):
+    exact = cusparseattn.attention
+    monkeypatch.setattr(cusparseattn, "attention", lambda *a, **kw: exact(*a, **kw) * 1.01)
+    assert main(["demo", "--seq-len", "128", "--block", "16"]) == 1
+    assert capsys.readouterr().out.splitlines()[-1] == "FAIL"
+
+
+def test_demo_refuses_bad_arguments(capsys):
+    assert main(["demo", "--block", "48"]) == 2
+    assert "block" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--seq-len", "0"])
+    assert exc.value.code == 2
+    assert "--seq-len must be a positive integer, got 0" in capsys.readouterr().err
