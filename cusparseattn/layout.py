@@ -7,6 +7,12 @@ blocks marked *partial*. Blocks that are set and not partial are *full*: every t
 The rule decides only inside partial blocks (the reference and the kernels both apply it there alone).
 Patterns also keep the rule True inside their full blocks, so a full block means "no token test needed" either
 way.
+
+Layouts combine with ``|`` and ``&`` (the result's rule evaluates both operands, or joins their C
+expressions when both rules are the whole pattern), compare with ``==`` (same token mask), index as
+``layout[b, h]``, print as a text grid (``str``) or a PNG (``save_png``), and convert to and from
+FlexAttention's ``BlockMask`` (``to_flex``, ``from_flex``) and DeepSpeed's ``[H, nb, nb]`` layouts
+(``from_deepspeed``).
 """
 
 from __future__ import annotations
@@ -188,7 +194,10 @@ class BlockLayout:
         mask = self.blocks[bb, hh, qb, kb] & inside
         if self.rule is not None:
             part = self.partial[bb, hh, qb, kb]
-            mask = mask & (~part | self.rule(b, h, q, k))
+            # Pairs past a sequence's end are masked out already; clamped, they keep rules that index
+            # per-token tables (document ids) in bounds when callers evaluate whole kernel tiles.
+            qc, kc = np.clip(q, 0, self.seq_q - 1), np.clip(k, 0, self.seq_k - 1)
+            mask = mask & (~part | self.rule(b, h, qc, kc))
         return mask
 
     def to_dense(self, batch: int | None = None, heads: int | None = None) -> np.ndarray:
@@ -452,7 +461,8 @@ class BlockLayout:
         flat = ((bb * self.heads + hh) * n_q + qb) * n_k + kb
         mask = blocks[flat] & inside
         if self.rule is not None:
-            mask = mask & (~partial[flat] | self.rule.fn(b, h, q, k))
+            qc, kc = torch.clamp(q, 0, self.seq_q - 1), torch.clamp(k, 0, self.seq_k - 1)
+            mask = mask & (~partial[flat] | self.rule.fn(b, h, qc, kc))
         return mask
 
     def _torch_tables(self, device):

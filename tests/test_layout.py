@@ -262,6 +262,15 @@ def test_indexing_shifts_c_expressions(tmp_path):
     assert np.array_equal(sub.to_dense()[0, 0], lay.to_dense()[2, 0])
 
 
+def test_token_mask_past_the_end():
+    """Kernel tiles overhang the sequence: rules see clamped indices, pairs past the end are False."""
+    lay = patterns.document(seq_lens=[[70, 30], [50, 50]], block=32) | patterns.local(20, block=32)
+    lay = lay.layout(100)
+    q, k = np.arange(128)[:, None], np.arange(128)[None, :]
+    mask = lay.token_mask(np.arange(2)[:, None, None, None], 0, q, k)
+    assert np.array_equal(mask[:, 0, :100, :100], lay.to_dense(heads=1)[:, 0]) and not mask[:, 0, 100:].any()
+
+
 # ---- pictures ----------------------------------------------------------------------------------------------
 def test_to_string():
     lay = patterns.causal(block=16).layout(64)
@@ -297,10 +306,10 @@ def test_save_png(tmp_path):
     path = lay.save_png(tmp_path / "causal.png")
     with Image.open(path) as img:
         assert img.format == "PNG" and img.size == (300, 320)  # one 256 px panel under a 40 px header
-        pixel = lambda row, col: img.getpixel((10 + col * 64 + 30, 54 + row * 64 + 30))  # noqa: E731
-        assert (
-            pixel(1, 0) == (31, 96, 180) and pixel(0, 0) == (245, 150, 40) and pixel(0, 3) == (236, 236, 236)
-        )
+        centre = [[img.getpixel((10 + c * 64 + 30, 54 + r * 64 + 30)) for c in range(4)] for r in range(4)]
+        assert centre[1][0] == (31, 96, 180)  # full
+        assert centre[0][0] == (245, 150, 40)  # partial
+        assert centre[0][3] == (236, 236, 236)  # empty
     big = patterns.head_mix([patterns.local(4096, block=128)] * 2 + [None] * 3).layout(131072)
     with Image.open(big.save_png(tmp_path / "big.png", max_pixels=128)) as img:
         assert img.size == (300, 40 + 152)  # two distinct layouts (2 + 3 heads), each pooled to 128 x 128 px
