@@ -6,6 +6,7 @@ a call then only packs the parameter struct and launches. Nothing here synchroni
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import numpy as np
@@ -44,20 +45,27 @@ def reasons(dtype: str, head_dim: int) -> list[str]:
     return out
 
 
-def tensor_reasons(*tensors) -> list[str]:
-    """Why these device arrays cannot be read by 16-byte asynchronous copies (empty when they can)."""
+@functools.cache
+def compute_capability(device: int) -> int:
+    """The device's compute capability as an integer (90 for 9.0), looked up once per process."""
     import cupy
 
+    return int(cupy.cuda.Device(device).compute_capability)
+
+
+def tensor_reasons(*tensors) -> list[str]:
+    """Why these device arrays cannot be read by 16-byte asynchronous copies (empty when they can)."""
     out = []
     for name, t in tensors:
         if t.data_ptr % 16:
             out.append(f"{name}'s data is not 16-byte aligned (address {t.data_ptr:#x})")
         if any(s % 8 for s in t.strides[:3]):
             out.append(f"{name}'s strides {t.strides} (in elements) are not multiples of 8")
-        major, minor = cupy.cuda.Device(t.device[1]).compute_capability
-        if int(major + minor) < MIN_COMPUTE_CAPABILITY:
+        cc = compute_capability(t.device[1])
+        if cc < MIN_COMPUTE_CAPABILITY:
             out.append(
-                f"{name} is on a GPU of compute capability {major}.{minor}; the kernels need 8.0 or newer"
+                f"{name} is on a GPU of compute capability {cc // 10}.{cc % 10}; the kernels need 8.0 "
+                "or newer"
             )
     return out
 
@@ -80,10 +88,9 @@ class DeviceTables:
         self.sub_bits = cupy.asarray(p.sub_bits)
         self.bit_mask = cupy.asarray(p.bit_mask)
         rule = layout.rule if p.rule_mode == "expr" else None
-        self.rule_arrays = [
-            cupy.asarray(np.ascontiguousarray(a, dtype=np.int32)) for a in (rule.arrays if rule else ())
-        ]
-        self.rule_params = tuple(rule.params if rule else ()) + (0,) * (8 - len(rule.params if rule else ()))
+        params, arrays = (rule.params, rule.arrays) if rule else ((), ())
+        self.rule_arrays = [cupy.asarray(np.ascontiguousarray(a, dtype=np.int32)) for a in arrays]
+        self.rule_params = tuple(params) + (0,) * (8 - len(params))
         self.rule_expr = rule.c_expr if rule else None
 
 
