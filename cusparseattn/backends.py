@@ -104,7 +104,10 @@ class Backend:
 
 
 class CudaBackend(Backend):
-    """The CUDA kernels (``cusparseattn.cuda``), launched on the framework's current stream of the GPU."""
+    """The CUDA kernels (``cusparseattn.cuda``), launched on the framework's current stream of the GPU.
+
+    JAX arrays reach the kernels inside an XLA call instead (`cusparseattn.jax`), on XLA's buffers and stream.
+    """
 
     name = "cuda"
 
@@ -127,10 +130,10 @@ class CudaBackend(Backend):
             reasons.append(f"the inputs are on {device_name(inputs.device)}, not on a CUDA device")
         reasons += cuda.available()
         reasons += cuda.reasons(inputs.dtype, inputs.head_dim)
-        if op == "backward":
-            reasons.append("no CUDA backward kernel yet")
         if not reasons:
-            reasons += cuda.tensor_reasons(*((h.name, h) for h in inputs.holders()))
+            # A traced JAX array has no memory yet: cusparseattn.jax checks XLA's buffers when they arrive.
+            concrete = [(h.name, h) for h in inputs.holders() if not getattr(h, "traced", False)]
+            reasons += cuda.tensor_reasons(*concrete)
         return reasons
 
     def forward(self, inputs):
@@ -142,14 +145,21 @@ class CudaBackend(Backend):
             out = q.empty(q.shape, q.dtype)
             lse = q.empty(q.shape[:3], "float32")
             cuda.forward(q, inputs.k, inputs.v, out, lse, inputs.layout, inputs.scale)
-            if q.framework == "jax":
-                # JAX's own streams know nothing of this launch: finish it before JAX reads the results.
-                cupy.cuda.runtime.streamSynchronize(q.stream)
         out.name, lse.name = "out", "lse"
         return out, lse
 
     def backward(self, inputs):
-        raise NotImplementedError("no CUDA backward kernel yet")  # not_supported_reasons says so first
+        import cupy
+
+        cuda = self._module()
+        q, k = inputs.q, inputs.k
+        with cupy.cuda.Device(q.device[1]):
+            dq, dk, dv = q.empty(q.shape, q.dtype), k.empty(k.shape, k.dtype), k.empty(k.shape, k.dtype)
+            delta = q.empty(q.shape[:3], "float32")  # scratch: rowsum(dout * out), written by the dq pass
+            saved = (inputs.dout, q, k, inputs.v, inputs.out, inputs.lse)
+            cuda.backward(*saved, dq, dk, dv, delta, inputs.layout, inputs.scale)
+        dq.name, dk.name, dv.name = "dq", "dk", "dv"
+        return dq, dk, dv
 
 
 class ReferenceBackend(Backend):

@@ -32,38 +32,79 @@ log = logging.getLogger("cusparseattn")
 DTYPES = {"float16": 0, "bfloat16": 1}
 RULE_MODES = {"none": 0, "expr": 1, "bits": 2}
 
-# Kernel tiles by padded head dim: (TILE_M, TILE_N, NWARPS). One warp owns 16 query rows. Measured on an H100
-# (bf16, S = 4096 and 16384, dense and causal): 128 x 128 beat 128 x 64 by 30 % and 64 x 64 by 10-40 %.
+# Kernel tiles (TILE_M queries, TILE_N keys, NWARPS) per pass and padded head dim, in order of preference: a
+# device takes the first whose shared memory fits (an H100 has 227 KiB per block, an A100 163, sm_86/89 99).
+# Forward and dQ: one warp per 16 query rows; dK/dV: one warp per 16 keys. Measured on an H100 (bf16, S = 4096
+# and 16384, dense and causal): a 128 x 128 forward beat 128 x 64 by 30 % and 64 x 64 by 10-40 %.
 TILES = {
-    64: (128, 128, 8),
-    128: (128, 128, 8),
-    256: (64, 32, 4),
+    "forward": {
+        64: [(128, 128, 8), (64, 64, 4)],
+        128: [(128, 128, 8), (128, 64, 8), (64, 64, 4)],
+        256: [(64, 32, 4), (64, 16, 4)],
+    },
+    "backward_dq": {
+        64: [(128, 64, 8), (64, 64, 4)],
+        128: [(128, 64, 8), (64, 32, 4)],
+        256: [(64, 32, 4), (32, 16, 2)],
+    },
+    "backward_dkdv": {
+        64: [(64, 128, 8), (32, 64, 4)],
+        128: [(32, 128, 8), (32, 64, 4)],  # 64 queries per step spill the accumulators
+        256: [(32, 64, 4), (16, 32, 2)],
+    },
 }
+KERNELS = tuple(TILES)
 
 
-def tile_config(head_dim: int) -> tuple[int, int, int]:
+def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int:
+    """The dynamic shared memory of one pass (each kernel static_asserts the same figure)."""
+    tm, tn, _ = tiles
+    row = 2 * (-(-head_dim // 16) * 16 + 8)  # bytes per padded shared row (SMEM_ROW elements)
+    if kernel == "forward":  # Q, two stages of K and V
+        return row * (tm + 2 * 2 * tn)
+    if kernel == "backward_dq":  # Q and dO, two stages of K and V
+        return row * (2 * tm + 2 * 2 * tn)
+    return row * (2 * tn + 2 * 2 * tm) + 2 * 2 * tm * 4  # K and V, two stages of Q, dO, lse and delta
+
+
+def tile_config(kernel: str, head_dim: int, max_shared: int = 227 * 1024) -> tuple[int, int, int]:
+    """The preferred tiles of `kernel` for this head dim whose shared memory fits `max_shared` bytes."""
+    if kernel not in TILES:
+        raise ValueError(f"kernel must be one of {sorted(TILES)}, got {kernel!r}")
     padded = -(-head_dim // 16) * 16
-    for limit in sorted(TILES):
+    for limit, candidates in sorted(TILES[kernel].items()):
         if padded <= limit:
-            return TILES[limit]
-    raise ValueError(f"head dim {head_dim} is larger than the kernels' {max(TILES)}")
+            for tiles in candidates:
+                if shared_bytes(kernel, head_dim, tiles) <= max_shared:
+                    return tiles
+            raise ValueError(
+                f"no {kernel} tiles for head dim {head_dim} fit {max_shared} bytes of shared memory per block"
+            )
+    raise ValueError(f"head dim {head_dim} is larger than the kernels' {max(TILES[kernel])}")
 
 
 # The kernels' `Params` struct (kernels/common.cuh), field by field, in order. align=True gives C's layout.
 PARAMS = np.dtype(
     [
         ("q", np.uint64), ("k", np.uint64), ("v", np.uint64), ("o", np.uint64), ("lse", np.uint64),
+        ("dout", np.uint64), ("dq", np.uint64), ("dk", np.uint64), ("dv", np.uint64), ("delta", np.uint64),
         ("q_sb", np.int64), ("q_sh", np.int64), ("q_ss", np.int64),
         ("k_sb", np.int64), ("k_sh", np.int64), ("k_ss", np.int64),
         ("v_sb", np.int64), ("v_sh", np.int64), ("v_ss", np.int64),
         ("o_sb", np.int64), ("o_sh", np.int64), ("o_ss", np.int64),
+        ("do_sb", np.int64), ("do_sh", np.int64), ("do_ss", np.int64),
+        ("dq_sb", np.int64), ("dq_sh", np.int64), ("dq_ss", np.int64),
+        ("dk_sb", np.int64), ("dk_sh", np.int64), ("dk_ss", np.int64),
+        ("dv_sb", np.int64), ("dv_sh", np.int64), ("dv_ss", np.int64),
         ("lse_sb", np.int64), ("lse_sh", np.int64),
+        ("delta_sb", np.int64), ("delta_sh", np.int64),
         ("seq_q", np.int32), ("seq_k", np.int32), ("heads_q", np.int32), ("group", np.int32),
         ("layout_batch", np.int32), ("layout_heads", np.int32),
-        ("tiles_q", np.int32),
+        ("tiles_q", np.int32), ("tiles_k", np.int32),
         ("sub_q_shift", np.int32), ("sub_k_shift", np.int32), ("sub_k_count", np.int32),
         ("scale", np.float32),
-        ("row_ptr", np.uint64), ("entries", np.uint64), ("sub_bits", np.uint64), ("bit_mask", np.uint64),
+        ("row_ptr", np.uint64), ("entries", np.uint64), ("col_ptr", np.uint64), ("col_entries", np.uint64),
+        ("sub_bits", np.uint64), ("bit_mask", np.uint64),
         ("rule_p", np.int64, (8,)), ("rule_a", np.uint64, (4,)),
     ],
     align=True,
@@ -74,7 +115,7 @@ PARAMS = np.dtype(
 class KernelSpec:
     """One compiled unit. The name lists every specialisation argument; it shows in logs and errors."""
 
-    kernel: str  # the source file in kernels/, without .cu
+    kernel: str  # the pass: its source file in kernels/ without .cu, and its function's name after csa_
     dtype: str
     head_dim: int  # the real head dim; the kernel pads it to a multiple of 16
     tiles: tuple[int, int, int]  # TILE_M, TILE_N, NWARPS
@@ -90,11 +131,16 @@ class KernelSpec:
         rule_mode: str = "none",
         rule_expr: str | None = None,
         tiles: tuple[int, int, int] | None = None,
+        max_shared: int = 227 * 1024,
     ) -> KernelSpec:
-        """The spec for these inputs, with the tiles of the table (or `tiles`, for tuning)."""
-        return cls(kernel, dtype, head_dim, tiles or tile_config(head_dim), rule_mode, rule_expr)
+        """The spec for these inputs, with the table's tiles for a device with `max_shared` bytes of shared
+        memory per block (or `tiles`, for tuning)."""
+        tiles = tiles or tile_config(kernel, head_dim, max_shared)
+        return cls(kernel, dtype, head_dim, tiles, rule_mode, rule_expr)
 
     def __post_init__(self):
+        if self.kernel not in TILES:
+            raise ValueError(f"kernel must be one of {sorted(TILES)}, got {self.kernel!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"the kernels take {sorted(DTYPES)}, got dtype {self.dtype!r}")
         if self.rule_mode not in RULE_MODES:
@@ -117,9 +163,7 @@ class KernelSpec:
 
     @property
     def shared_bytes(self) -> int:
-        tm, tn, _ = self.tiles
-        row = self.padded_head_dim + 8  # SMEM_ROW
-        return 2 * row * (tm + 2 * 2 * tn)
+        return shared_bytes(self.kernel, self.head_dim, self.tiles)
 
     @property
     def threads(self) -> int:
@@ -135,6 +179,7 @@ class KernelSpec:
             f"#define TILE_M {tm}",
             f"#define TILE_N {tn}",
             f"#define NWARPS {nw}",
+            f"#define SHARED_BYTES {self.shared_bytes}",
             f"#define RULE_MODE {RULE_MODES[self.rule_mode]}",
         ]
         if self.rule_expr is not None:
@@ -197,14 +242,17 @@ COMPILE_TIMES: dict[str, float] = {}
 
 
 def all_specs() -> list[KernelSpec]:
-    """Every specialisation the library builds for the fast head dims, for the CI compile check."""
+    """The specialisations the CI compile check builds: every pass, head dim and mask kind in bfloat16,
+    float16 without a mask, and the smaller tiles that devices with less shared memory take."""
     rules = [("none", None), ("bits", None), ("expr", "k <= q + P0")]
-    return [
-        KernelSpec.make("forward", dtype, d, mode, expr)
-        for dtype in DTYPES
-        for d in (32, 64, 96, 128, 256)
-        for mode, expr in rules
-    ]
+    specs = []
+    for kernel, table in TILES.items():
+        for d in (32, 64, 96, 128, 256):
+            specs += [KernelSpec.make(kernel, "bfloat16", d, mode, expr) for mode, expr in rules]
+            specs.append(KernelSpec.make(kernel, "float16", d))
+        for d in (128, 256):
+            specs += [KernelSpec.make(kernel, "bfloat16", d, *rules[2], tiles=t) for t in table[d][1:]]
+    return specs
 
 
 def _nvrtc_library():

@@ -32,15 +32,17 @@ def available() -> list[str]:
     return []
 
 
+MAX_HEAD_DIM = 256
+
+
 def reasons(dtype: str, head_dim: int) -> list[str]:
     """Why the kernels cannot take inputs of this dtype and head dim (empty when they can)."""
     out = []
     if dtype not in build.DTYPES:
         out.append(f"the CUDA kernels take float16 and bfloat16 inputs, got {dtype}")
-    if head_dim % 8 or not 8 <= head_dim <= max(build.TILES):
+    if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
         out.append(
-            f"the CUDA kernels take head dims that are multiples of 8 up to {max(build.TILES)}, "
-            f"got {head_dim}"
+            f"the CUDA kernels take head dims that are multiples of 8 up to {MAX_HEAD_DIM}, got {head_dim}"
         )
     return out
 
@@ -53,14 +55,27 @@ def compute_capability(device: int) -> int:
     return int(cupy.cuda.Device(device).compute_capability)
 
 
+@functools.cache
+def max_shared(device: int) -> int:
+    """The most dynamic shared memory one block may opt into on this device, in bytes."""
+    import cupy
+
+    return int(cupy.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"])
+
+
 def tensor_reasons(*tensors) -> list[str]:
-    """Why these device arrays cannot be read by 16-byte asynchronous copies (empty when they can)."""
+    """Why these device arrays cannot be read by the kernels' asynchronous copies (empty when they can): rows
+    of [B, H, S, D] arrays move in 16-byte pieces, the float32 [B, H, S] vectors (lse) element by element."""
     out = []
     for name, t in tensors:
-        if t.data_ptr % 16:
-            out.append(f"{name}'s data is not 16-byte aligned (address {t.data_ptr:#x})")
-        if any(s % 8 for s in t.strides[:3]):
+        rows = t.ndim == 4
+        align = 16 if rows else 4
+        if t.data_ptr % align:
+            out.append(f"{name}'s data is not {align}-byte aligned (address {t.data_ptr:#x})")
+        if rows and any(s % 8 for s in t.strides[:3]):
             out.append(f"{name}'s strides {t.strides} (in elements) are not multiples of 8")
+        if t.strides[-1] != 1:
+            out.append(f"{name}'s last dimension is not contiguous (strides {t.strides})")
         cc = compute_capability(t.device[1])
         if cc < MIN_COMPUTE_CAPABILITY:
             out.append(
@@ -83,15 +98,26 @@ class DeviceTables:
 
         self.plan = plan.build(layout, tile_m, tile_n)
         p = self.plan
-        self.row_ptr = cupy.asarray(p.row_ptr)
-        self.entries = cupy.asarray(p.entries)
-        self.sub_bits = cupy.asarray(p.sub_bits)
-        self.bit_mask = cupy.asarray(p.bit_mask)
+        # Kept as attributes: the device memory lives as long as these tables.
+        self.arrays = {
+            name: cupy.asarray(getattr(p, name))
+            for name in ("row_ptr", "entries", "col_ptr", "col_entries", "sub_bits", "bit_mask")
+        }
         rule = layout.rule if p.rule_mode == "expr" else None
         params, arrays = (rule.params, rule.arrays) if rule else ((), ())
         self.rule_arrays = [cupy.asarray(np.ascontiguousarray(a, dtype=np.int32)) for a in arrays]
-        self.rule_params = tuple(params) + (0,) * (8 - len(params))
         self.rule_expr = rule.c_expr if rule else None
+        # The parameter fields that depend on the layout alone; a launch copies this and adds its arrays.
+        base = np.zeros((), build.PARAMS)
+        for name, array in self.arrays.items():
+            base[name] = array.data.ptr
+        base["layout_batch"], base["layout_heads"] = layout.batch, layout.heads
+        base["tiles_q"], base["tiles_k"] = p.tiles_q, p.tiles_k
+        for name in ("sub_q_shift", "sub_k_shift", "sub_k_count"):
+            base[name] = getattr(p, name)
+        base["rule_p"][: len(params)] = params
+        base["rule_a"][: len(arrays)] = [a.data.ptr for a in self.rule_arrays]
+        self.params = base
 
 
 def device_tables(layout: BlockLayout, tile_m: int, tile_n: int, device: int) -> DeviceTables:
@@ -132,6 +158,38 @@ def _stream(handle: int):
     return _streams[handle]
 
 
+# Params fields of each array argument: its pointer, the prefix of its strides and how many of them it has.
+_FIELDS = {
+    "q": ("q", "q", 3), "k": ("k", "k", 3), "v": ("v", "v", 3), "out": ("o", "o", 3),
+    "dout": ("dout", "do", 3), "dq": ("dq", "dq", 3), "dk": ("dk", "dk", 3), "dv": ("dv", "dv", 3),
+    "lse": ("lse", "lse", 2), "delta": ("delta", "delta", 2),
+}  # fmt: skip
+
+
+def _launch(kernel: str, grid, tables: DeviceTables, scale: float, tiles, **arrays):
+    """Packs the parameters of one pass over these holders (named as `_FIELDS`) and launches it on q's
+    device and stream."""
+    q, k = arrays["q"], arrays["k"]
+    device = q.device[1]
+    spec = build.KernelSpec(kernel, q.dtype, q.shape[3], tiles, tables.plan.rule_mode, tables.rule_expr)
+    function = build.load(spec, device)
+    params = tables.params.copy()
+    for name, holder in arrays.items():
+        pointer, prefix, ndim = _FIELDS[name]
+        params[pointer] = holder.data_ptr
+        for axis, suffix in zip(range(ndim), ("sb", "sh", "ss"), strict=False):
+            params[f"{prefix}_{suffix}"] = holder.strides[axis]
+    params["seq_q"], params["seq_k"] = q.shape[2], k.shape[2]
+    params["heads_q"], params["group"] = q.shape[1], q.shape[1] // k.shape[1]
+    params["scale"] = scale
+    function(grid, (spec.threads, 1, 1), (params[()],), shared_mem=spec.shared_bytes)
+
+
+def _tiled_tables(kernel: str, layout: BlockLayout, head_dim: int, device: int, tiles=None):
+    tiles = tiles or build.tile_config(kernel, head_dim, max_shared(device))
+    return device_tables(layout, tiles[0], tiles[1], device), tiles
+
+
 def forward(
     q, k, v, out, lse, layout: BlockLayout, scale: float, *, tiles: tuple[int, int, int] | None = None
 ):
@@ -141,32 +199,31 @@ def forward(
     """
     import cupy
 
-    batch, heads_q, seq_q, head_dim = q.shape
-    heads_k, seq_k = k.shape[1], k.shape[2]
+    batch, heads_q = q.shape[:2]
     device = q.device[1]
-    tile_m, tile_n, nwarps = tiles or build.tile_config(head_dim)
     with cupy.cuda.Device(device), _stream(q.stream):
-        tables = device_tables(layout, tile_m, tile_n, device)
-        spec = build.KernelSpec(
-            "forward", q.dtype, head_dim, (tile_m, tile_n, nwarps), tables.plan.rule_mode, tables.rule_expr
-        )
-        function = build.load(spec, device)
-        p = tables.plan
-        arrays = [a.data.ptr for a in tables.rule_arrays] + [0] * (4 - len(tables.rule_arrays))
-        params = np.array(
-            (
-                q.data_ptr, k.data_ptr, v.data_ptr, out.data_ptr, lse.data_ptr,
-                *q.strides[:3], *k.strides[:3], *v.strides[:3], *out.strides[:3], *lse.strides[:2],
-                seq_q, seq_k, heads_q, heads_q // heads_k,
-                layout.batch, layout.heads, p.tiles_q,
-                p.sub_q_shift, p.sub_k_shift, p.sub_k_count,
-                scale,
-                tables.row_ptr.data.ptr, tables.entries.data.ptr,
-                tables.sub_bits.data.ptr, tables.bit_mask.data.ptr,
-                tables.rule_params, arrays,
-            ),
-            dtype=build.PARAMS,
-        )  # fmt: skip
-        function(
-            (p.tiles_q, heads_q, batch), (spec.threads, 1, 1), (params[()],), shared_mem=spec.shared_bytes
-        )
+        tables, tiles = _tiled_tables("forward", layout, q.shape[3], device, tiles)
+        grid = (tables.plan.tiles_q, heads_q, batch)
+        _launch("forward", grid, tables, scale, tiles, q=q, k=k, v=v, out=out, lse=lse)
+
+
+def backward(dout, q, k, v, out, lse, dq, dk, dv, delta, layout: BlockLayout, scale: float):
+    """Launches the backward kernels: writes `dq` [B, Hq, Sq, D], `dk` and `dv` [B, Hkv, Sk, D], and `delta`
+    [B, Hq, Sq] (float32 scratch: rowsum(dout * out), from the first kernel to the second).
+
+    Each gradient element is written once by one thread (no atomics): the results are bitwise reproducible.
+    """
+    import cupy
+
+    batch, heads_q, _, head_dim = q.shape
+    heads_k = k.shape[1]
+    device = q.device[1]
+    arrays = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, delta=delta)
+    with cupy.cuda.Device(device), _stream(q.stream):
+        tables, tiles = _tiled_tables("backward_dq", layout, head_dim, device)
+        grid = (tables.plan.tiles_q, heads_q, batch)
+        _launch("backward_dq", grid, tables, scale, tiles, dq=dq, **arrays)
+        tables, tiles = _tiled_tables("backward_dkdv", layout, head_dim, device)
+        splits = 2 if head_dim > 128 else 1  # the dK/dV kernel's SPLITS: halves of the head dim past 128
+        grid = (tables.plan.tiles_k, heads_k * splits, batch)
+        _launch("backward_dkdv", grid, tables, scale, tiles, dk=dk, dv=dv, **arrays)

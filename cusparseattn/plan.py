@@ -32,6 +32,8 @@ class TilePlan:
     rule_mode: str  # "none", "expr" or "bits"
     row_ptr: np.ndarray  # int32 [batch * heads * tiles_q + 1]
     entries: np.ndarray  # int32 [nnz, 2]: key tile, partial index or -1
+    col_ptr: np.ndarray  # int32 [batch * heads * tiles_k + 1]: the same tiles by key tile (dK/dV pass)
+    col_entries: np.ndarray  # int32 [nnz, 2]: query tile, partial index or -1
     sub_bits: np.ndarray  # uint64 [n_partial, 2]: set cells, partial cells
     bit_mask: np.ndarray  # uint64 [n_partial, tile_m, words] (bits mode) or [0]
     sub_q_shift: int
@@ -94,6 +96,12 @@ def build(layout: BlockLayout, tile_m: int, tile_n: int) -> TilePlan:
         sel = cells[b_i[partial], h_i[partial], tq_i[partial], :, tk_i[partial], :].reshape(-1, per_q * per_k)
         sub_bits[:, word] = (sel.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
 
+    # The transpose, for passes that walk the key tiles' columns: same tiles, same partial indices.
+    order = np.lexsort((tq_i, tk_i, h_i, b_i))
+    col_counts = np.count_nonzero(visited, axis=2).reshape(-1)
+    col_ptr = np.zeros(col_counts.size + 1, dtype=np.int64)
+    np.cumsum(col_counts, out=col_ptr[1:])
+
     mode = rule_mode(layout)
     bit_mask = np.zeros(1, dtype=np.uint64)
     if mode == "bits":
@@ -109,6 +117,8 @@ def build(layout: BlockLayout, tile_m: int, tile_n: int) -> TilePlan:
         rule_mode=mode,
         row_ptr=row_ptr.astype(np.int32),
         entries=np.stack([tk_i, pidx], axis=1).astype(np.int32),
+        col_ptr=col_ptr.astype(np.int32),
+        col_entries=np.stack([tq_i[order], pidx[order]], axis=1).astype(np.int32),
         sub_bits=sub_bits if sub_bits.size else np.zeros((1, 2), dtype=np.uint64),
         bit_mask=bit_mask,
         sub_q_shift=int(cq).bit_length() - 1,

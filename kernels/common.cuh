@@ -1,9 +1,10 @@
-// Shared device helpers for the cusparseattn kernels: element types, tile loads, tensor-core MMAs, the online
-// softmax and the token mask of partial tiles. NVRTC-clean: no host headers.
+// Shared device helpers for the cusparseattn kernels: element types, tile loads, the copy pipeline, tensor-core
+// MMAs and the token mask of partial tiles. NVRTC-clean: no host headers.
 //
 // The builder prepends a prelude that defines, before this header is included:
-//   CSA_DTYPE_BF16 (0/1), HEAD_DIM (padded to 16), HEAD_DIM_REAL, TILE_M, TILE_N, NWARPS,
-//   RULE_MODE (RULE_NONE / RULE_EXPR / RULE_BITS) and, for RULE_EXPR, CSA_RULE(b, h, q, k).
+//   CSA_DTYPE_BF16 (0/1), HEAD_DIM (padded to 16), HEAD_DIM_REAL, TILE_M (query tile), TILE_N (key tile),
+//   NWARPS, SHARED_BYTES (the dynamic shared memory it launches with), RULE_MODE (RULE_NONE / RULE_EXPR /
+//   RULE_BITS) and, for RULE_EXPR, CSA_RULE(b, h, q, k).
 #pragma once
 
 #include <cuda_fp16.h>
@@ -24,11 +25,13 @@ namespace csa {
 using elem_t = __nv_bfloat16;
 using elem2_t = __nv_bfloat162;
 __device__ __forceinline__ elem2_t pack2(float a, float b) { return __floats2bfloat162_rn(a, b); }
+__device__ __forceinline__ float2 unpack2(elem2_t x) { return __bfloat1622float2(x); }
 #define CSA_MMA_TYPES "bf16.bf16"
 #else
 using elem_t = __half;
 using elem2_t = __half2;
 __device__ __forceinline__ elem2_t pack2(float a, float b) { return __floats2half2_rn(a, b); }
+__device__ __forceinline__ float2 unpack2(elem2_t x) { return __half22float2(x); }
 #define CSA_MMA_TYPES "f16.f16"
 #endif
 
@@ -36,26 +39,38 @@ __device__ __forceinline__ elem2_t pack2(float a, float b) { return __floats2hal
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
 
-// Kernel parameters, passed by value. Strides are in elements; 64-bit so that B*H*S*D may exceed 2^31.
-// The builder mirrors this struct field by field in a NumPy structured dtype (cusparseattn/build.py).
+// Kernel parameters of every pass, passed by value. Strides are in elements; 64-bit so that B*H*S*D may exceed
+// 2^31. The builder mirrors this struct field by field in a NumPy structured dtype (cusparseattn/build.py).
 struct Params {
     const elem_t* q;
     const elem_t* k;
     const elem_t* v;
     elem_t* o;
     float* lse;
+    const elem_t* dout;  // the backward's inputs and outputs (null in the forward)
+    elem_t* dq;
+    elem_t* dk;
+    elem_t* dv;
+    float* delta;        // rowsum(dout * out), written by the dQ pass, read by the dK/dV pass
     long long q_sb, q_sh, q_ss;
     long long k_sb, k_sh, k_ss;
     long long v_sb, v_sh, v_ss;
     long long o_sb, o_sh, o_ss;
+    long long do_sb, do_sh, do_ss;
+    long long dq_sb, dq_sh, dq_ss;
+    long long dk_sb, dk_sh, dk_ss;
+    long long dv_sb, dv_sh, dv_ss;
     long long lse_sb, lse_sh;
+    long long delta_sb, delta_sh;
     int seq_q, seq_k, heads_q, group;   // group = Hq / Hkv
     int layout_batch, layout_heads;      // 1 (shared) or B / Hq
-    int tiles_q;
+    int tiles_q, tiles_k;
     int sub_q_shift, sub_k_shift, sub_k_count;  // layout blocks inside a kernel tile (log2 sizes, count per row)
     float scale;                                // softmax scale (of q . k)
     const int* row_ptr;                         // [layout_batch * layout_heads * tiles_q + 1]
     const int2* entries;                        // (key tile, partial index or -1)
+    const int* col_ptr;                         // [layout_batch * layout_heads * tiles_k + 1]
+    const int2* col_entries;                    // (query tile, partial index or -1)
     const ulonglong2* sub_bits;                 // per partial entry: layout blocks of the tile that are set (x)
                                                 // and that are partial (y), one bit each, row-major
     const unsigned long long* bit_mask;         // RULE_BITS: per partial entry, TILE_M rows of TILE_N bits
@@ -63,11 +78,20 @@ struct Params {
     const int* rule_a[4];                       // A0..A3 of the token rule
 };
 
+// The layout's (batch, head) line for batch b, query head h: a shared layout has one line for all of them.
+__device__ __forceinline__ int layout_line(const Params& p, int b, int h) {
+    return (p.layout_batch > 1 ? b : 0) * p.layout_heads + (p.layout_heads > 1 ? h : 0);
+}
+
 // ---- memory -----------------------------------------------------------------------------------------------
-// 16-byte asynchronous global->shared copy; src_bytes = 0 zero-fills (rows past the sequence, padded columns).
+// Asynchronous global->shared copies; src_bytes = 0 zero-fills (rows past the sequence, padded columns).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
     unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, int src_bytes) {
+    unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -89,6 +113,44 @@ __device__ __forceinline__ void load_tile_async(elem_t* smem, const elem_t* g, l
         const elem_t* src = ok ? g + (long long)(row0 + r) * ss + c * 8 : g;
         cp_async16(smem + r * SMEM_ROW + c * 8, src, ok ? 16 : 0);
     }
+}
+
+// Copies ROWS floats of one head's row vector (lse, delta) starting at row0; entries past `rows_valid` are 0.
+template <int ROWS, int THREADS>
+__device__ __forceinline__ void load_vec_async(float* smem, const float* g, int row0, int rows_valid) {
+    for (int i = threadIdx.x; i < ROWS; i += THREADS) {
+        const bool ok = row0 + i < rows_valid;
+        cp_async4(smem + i, ok ? g + row0 + i : g, ok ? 4 : 0);
+    }
+}
+
+// Walks `count` jobs through two shared-memory stages: while job i is computed from one stage, the copies of
+// job i + 1 fill the other. load(stage, i) issues job i's copies; compute(stage, i) consumes them. Copies a
+// caller issued before the walk (a resident tile) complete with job 0's.
+template <class Load, class Compute>
+__device__ __forceinline__ void pipeline2(int count, Load&& load, Compute&& compute) {
+    if (count <= 0) return;
+    load(0, 0);
+    cp_async_commit();
+    for (int i = 0; i < count; ++i) {
+        if (i + 1 < count) {
+            load((i + 1) & 1, i + 1);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        compute(i & 1, i);
+        // The next job's copies overwrite the stage this one read.
+        __syncthreads();
+    }
+}
+
+__device__ __forceinline__ unsigned dynamic_smem_size() {
+    unsigned r;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
 }
 
 __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const elem_t* p) {
@@ -117,70 +179,75 @@ __device__ __forceinline__ unsigned pack_u32(float a, float b) {
     return *reinterpret_cast<unsigned*>(&v);
 }
 
-// A warp's 16 query rows as A fragments, one per 16-wide slice of the head dimension. Up to HEAD_DIM 128 they
-// live in registers for the whole key walk; past that they would leave too few registers for the output
-// accumulators, so they stay in shared memory and are loaded per slice.
-#define Q_IN_REGS (HEAD_DIM <= 128)
-struct QFrag {
-#if Q_IN_REGS
-    unsigned a[HEAD_DIM / 16][4];
-#else
-    const elem_t* base;
-#endif
-
-    // q_smem points at the warp's first row. Lanes 0-15 address rows 0-15 at column 0, lanes 16-31 at column 8.
-    __device__ __forceinline__ void load(const elem_t* q_smem, int lane) {
-        const elem_t* p = q_smem + (lane & 15) * SMEM_ROW + (lane >> 4) * 8;
-#if Q_IN_REGS
+template <int N>
+__device__ __forceinline__ void zero(float (&x)[N][4]) {
 #pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) ldmatrix_x4(a[kk], p + kk * 16);
-#else
-        base = p;
-#endif
+    for (int i = 0; i < N; ++i) x[i][0] = x[i][1] = x[i][2] = x[i][3] = 0.f;
+}
+
+// A warp's 16 rows of a [rows x HEAD_DIM] shared tile (Q in the forward; Q and dO, or K and V, in the
+// backward) as A fragments, one per 16-wide slice of the head dimension. IN_REGS keeps them in registers for
+// the whole walk; otherwise they stay in shared memory and are loaded per slice, which leaves the registers to
+// the accumulators.
+template <bool IN_REGS>
+struct RowFrag {
+    unsigned a[IN_REGS ? HEAD_DIM / 16 : 1][4];
+    const elem_t* base;
+
+    // rows points at the warp's first row. Lanes 0-15 address rows 0-15 at column 0, lanes 16-31 at column 8.
+    __device__ __forceinline__ void load(const elem_t* rows, int lane) {
+        base = rows + (lane & 15) * SMEM_ROW + (lane >> 4) * 8;
+        if constexpr (IN_REGS) {
+#pragma unroll
+            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) ldmatrix_x4(a[kk], base + kk * 16);
+        }
     }
 
     __device__ __forceinline__ void get(unsigned (&r)[4], int kk) const {
-#if Q_IN_REGS
-        r[0] = a[kk][0], r[1] = a[kk][1], r[2] = a[kk][2], r[3] = a[kk][3];
-#else
-        ldmatrix_x4(r, base + kk * 16);
-#endif
+        if constexpr (IN_REGS) {
+            r[0] = a[kk][0], r[1] = a[kk][1], r[2] = a[kk][2], r[3] = a[kk][3];
+        } else {
+            ldmatrix_x4(r, base + kk * 16);
+        }
     }
 };
 
-// s[n] (16 x 8 each, TILE_N / 8 of them) = Q(16 x D) K^T for the warp's rows and the tile's TILE_N keys.
-__device__ __forceinline__ void mma_QKt(float (&s)[TILE_N / 8][4], const QFrag& q, const elem_t* k_smem,
+// s[n] (16 x 8 each, N / 8 of them) = A(16 x D) B^T for the warp's 16 rows of A and the N rows of the shared
+// tile b_smem ([N x HEAD_DIM]): Q K^T in the forward, also dO V^T, K Q^T and V dO^T in the backward.
+template <int N, class Frag>
+__device__ __forceinline__ void mma_ABt(float (&s)[N / 8][4], const Frag& a_frag, const elem_t* b_smem,
                                         int lane) {
-#pragma unroll
-    for (int n = 0; n < TILE_N / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-    // ldmatrix x4 over K: matrices (keys 0-7, d 0-7), (keys 0-7, d 8-15), (keys 8-15, d 0-7), (keys 8-15, d 8-15)
-    const elem_t* base = k_smem + ((lane & 7) + ((lane >> 4) << 3)) * SMEM_ROW + ((lane >> 3) & 1) * 8;
+    zero(s);
+    // ldmatrix x4 over B: matrices (rows 0-7, d 0-7), (rows 0-7, d 8-15), (rows 8-15, d 0-7), (rows 8-15, d 8-15)
+    const elem_t* base = b_smem + ((lane & 7) + ((lane >> 4) << 3)) * SMEM_ROW + ((lane >> 3) & 1) * 8;
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
         unsigned a[4];
-        q.get(a, kk);
+        a_frag.get(a, kk);
 #pragma unroll
-        for (int n = 0; n < TILE_N / 8; n += 2) {
+        for (int n = 0; n < N; n += 16) {
             unsigned b[4];
-            ldmatrix_x4(b, base + n * 8 * SMEM_ROW + kk * 16);
-            mma_16816(s[n], a, b[0], b[1]);
-            mma_16816(s[n + 1], a, b[2], b[3]);
+            ldmatrix_x4(b, base + n * SMEM_ROW + kk * 16);
+            mma_16816(s[n / 8], a, b[0], b[1]);
+            mma_16816(s[n / 8 + 1], a, b[2], b[3]);
         }
     }
 }
 
-// o[d] (16 x 8 each, HEAD_DIM / 8 of them) += P(16 x TILE_N) V(TILE_N x D). P comes straight from the score
-// accumulators: the C layout of two adjacent n-tiles is the A layout of one k-step.
-__device__ __forceinline__ void mma_PV(float (&o)[HEAD_DIM / 8][4], const float (&p)[TILE_N / 8][4],
-                                       const elem_t* v_smem, int lane) {
-    // ldmatrix x4 trans over V: matrices (keys 0-7, d 0-7), (keys 8-15, d 0-7), (keys 0-7, d 8-15), (keys 8-15, d 8-15)
-    const elem_t* base = v_smem + ((lane & 7) + (((lane >> 3) & 1) << 3)) * SMEM_ROW + (lane >> 4) * 8;
+// o[d] (16 x 8 each, DW / 8 of them) += P(16 x K) B(K x DW): P from score-shaped accumulators (the C layout of
+// two adjacent n-tiles is the A layout of one k-step), B the first K rows of a shared tile from column
+// b_smem's, DW columns wide. P V in the forward; P^T dO, dS^T Q and dS K in the backward.
+template <int K, int DW>
+__device__ __forceinline__ void mma_AB(float (&o)[DW / 8][4], const float (&p)[K / 8][4], const elem_t* b_smem,
+                                       int lane) {
+    // ldmatrix x4 trans over B: matrices (rows 0-7, d 0-7), (rows 8-15, d 0-7), (rows 0-7, d 8-15), (rows 8-15, d 8-15)
+    const elem_t* base = b_smem + ((lane & 7) + (((lane >> 3) & 1) << 3)) * SMEM_ROW + (lane >> 4) * 8;
 #pragma unroll
-    for (int kk = 0; kk < TILE_N / 16; ++kk) {
+    for (int kk = 0; kk < K / 16; ++kk) {
         unsigned a[4] = {pack_u32(p[2 * kk][0], p[2 * kk][1]), pack_u32(p[2 * kk][2], p[2 * kk][3]),
                          pack_u32(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack_u32(p[2 * kk + 1][2], p[2 * kk + 1][3])};
 #pragma unroll
-        for (int d = 0; d < HEAD_DIM / 8; d += 2) {
+        for (int d = 0; d < DW / 8; d += 2) {
             unsigned b[4];
             ldmatrix_x4_trans(b, base + kk * 16 * SMEM_ROW + d * 8);
             mma_16816(o[d], a, b[0], b[1]);
@@ -189,7 +256,29 @@ __device__ __forceinline__ void mma_PV(float (&o)[HEAD_DIM / 8][4], const float 
     }
 }
 
-// ---- online softmax over the two rows a thread holds (g and g + 8 of the warp's 16) ------------------------
+// Stores a warp's 16 x DW accumulator rows, each multiplied by its row's factor, as elements: rows at or past
+// rows_valid and columns past HEAD_DIM_REAL are skipped. `row0` is the warp's first row, `col0` the first
+// column of the slice.
+template <int DW>
+__device__ __forceinline__ void store_rows(const float (&acc)[DW / 8][4], const float (&factor)[2], elem_t* head,
+                                           long long ss, int row0, int rows_valid, int col0, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = row0 + g + 8 * r;
+        if (row >= rows_valid) continue;
+        elem_t* dst = head + (long long)row * ss + col0;
+#pragma unroll
+        for (int d = 0; d < DW / 8; ++d) {
+            const int col = d * 8 + 2 * t;
+            if (col0 + col < HEAD_DIM_REAL)
+                *reinterpret_cast<elem2_t*>(dst + col) =
+                    pack2(acc[d][2 * r] * factor[r], acc[d][2 * r + 1] * factor[r]);
+        }
+    }
+}
+
+// ---- reductions over the four threads of a quad (one row of an MMA accumulator) -------------------------
 __device__ __forceinline__ float quad_max(float x) {
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
@@ -199,89 +288,66 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-struct OnlineSoftmax {
-    float m[2];  // running max of the scaled scores, in log2 units
-    float l[2];  // this thread's part of the running sum (reduced across the quad at the end)
-
-    __device__ __forceinline__ void init() {
-        m[0] = m[1] = -INFINITY;
-        l[0] = l[1] = 0.f;
-    }
-
-    // Turns raw scores into probabilities in place and rescales the output accumulators to the new max.
-    __device__ __forceinline__ void update(float (&s)[TILE_N / 8][4], float (&o)[HEAD_DIM / 8][4],
-                                           float scale) {
-        const float scale_log2 = scale * LOG2E;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = m[r];
-#pragma unroll
-            for (int n = 0; n < TILE_N / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]) * scale_log2);
-            mx = quad_max(mx);
-            // A row with nothing visible so far keeps max -inf; subtract 0 instead, never -inf - -inf.
-            float base = mx == -INFINITY ? 0.f : mx;
-            float alpha = exp2f(m[r] - base);
-            m[r] = mx;
-            float sum = 0.f;
-#pragma unroll
-            for (int n = 0; n < TILE_N / 8; ++n) {
-                // fmaf(s, scale, -base): the scale folds into the exponent's FMA.
-                s[n][2 * r] = exp2f(fmaf(s[n][2 * r], scale_log2, -base));
-                s[n][2 * r + 1] = exp2f(fmaf(s[n][2 * r + 1], scale_log2, -base));
-                sum += s[n][2 * r] + s[n][2 * r + 1];
-            }
-            l[r] = l[r] * alpha + sum;
-#pragma unroll
-            for (int d = 0; d < HEAD_DIM / 8; ++d) {
-                o[d][2 * r] *= alpha;
-                o[d][2 * r + 1] *= alpha;
-            }
-        }
-    }
-};
-
 // ---- token mask of a partial tile ---------------------------------------------------------------------------
-// Masked scores become -inf, so exp2 gives exactly 0. `row0` is the warp's first row inside the tile; the
-// mask is evaluated at absolute token indices (q_tile0 + row, k_tile0 + col).
-__device__ __forceinline__ void apply_mask(float (&s)[TILE_N / 8][4], const Params& p, int pidx, int b, int h,
-                                           int q_tile0, int k_tile0, int row0, int lane) {
-    const int g = lane >> 2, t = lane & 3;
+// Whether query q0 + qi sees key k0 + ki, for tile-local (qi, ki) of the partial tile `pidx` whose sub-block
+// bits are `sub` (ignored in RULE_BITS mode).
+__device__ __forceinline__ bool visible(const Params& p, int pidx, const ulonglong2& sub, int b, int h, int q0,
+                                        int k0, int qi, int ki) {
 #if RULE_MODE == RULE_BITS
     // The host folded layout blocks, the rule and the sequence end into one bit per token pair.
     constexpr int WORDS = (TILE_N + 63) / 64;
-    const unsigned long long* bits = p.bit_mask + (long long)pidx * TILE_M * WORDS;
+    const unsigned long long word = p.bit_mask[((long long)pidx * TILE_M + qi) * WORDS + (ki >> 6)];
+    return (word >> (ki & 63)) & 1ull;
+#else
+    const int kc = k0 + ki;
+    const int bit = (qi >> p.sub_q_shift) * p.sub_k_count + (ki >> p.sub_k_shift);
+    bool ok = kc < p.seq_k && ((sub.x >> bit) & 1ull);
+#if RULE_MODE == RULE_EXPR
+    // The rule decides only inside partial blocks; full blocks of the same tile attend whole.
+    ok = ok && (!((sub.y >> bit) & 1ull) ||
+                CSA_RULE((long long)b, (long long)h, (long long)(q0 + qi), (long long)kc));
+#endif
+    return ok;
+#endif
+}
+
+// Which elements of a warp's 16 x COLS accumulator tile are visible, one bit each (bit 4n + 2r + c for element
+// [n][2r + c]). Rows are queries and columns keys, or the transpose (the dK/dV pass); `row0` is the warp's
+// first row in the tile. Computed before the scores exist, so that the rule's arithmetic does not compete
+// with the score accumulators for registers.
+template <bool TRANSPOSED, int COLS>
+__device__ __forceinline__ unsigned long long mask_bits(const Params& p, int pidx, int b, int h, int q0, int k0,
+                                                        int row0, int lane) {
+    static_assert(COLS / 8 * 4 <= 64, "one bit per accumulator element fits a 64-bit word");
+    const int g = lane >> 2, t = lane & 3;
+#if RULE_MODE == RULE_BITS
+    const ulonglong2 sub = make_ulonglong2(0, 0);
 #else
     const ulonglong2 sub = p.sub_bits[pidx];
 #endif
+    unsigned long long bits = 0;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = row0 + g + 8 * r;
-#if RULE_MODE == RULE_BITS
-        unsigned long long word[WORDS];
+    for (int n = 0; n < COLS / 8; ++n)
 #pragma unroll
-        for (int w = 0; w < WORDS; ++w) word[w] = bits[row * WORDS + w];
-#endif
-#pragma unroll
-        for (int n = 0; n < TILE_N / 8; ++n) {
+        for (int r = 0; r < 2; ++r)
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
-                const int col = n * 8 + 2 * t + c;
-#if RULE_MODE == RULE_BITS
-                const bool ok = (word[col >> 6] >> (col & 63)) & 1ull;
-#else
-                const int kc = k_tile0 + col;
-                const int bit = (row >> p.sub_q_shift) * p.sub_k_count + (col >> p.sub_k_shift);
-                bool ok = kc < p.seq_k && ((sub.x >> bit) & 1ull);
-#if RULE_MODE == RULE_EXPR
-                // The rule decides only inside partial blocks; full blocks of the same tile attend whole.
-                ok = ok && (!((sub.y >> bit) & 1ull) ||
-                            CSA_RULE((long long)b, (long long)h, (long long)(q_tile0 + row), (long long)kc));
-#endif
-#endif
-                if (!ok) s[n][2 * r + c] = -INFINITY;
+                const int row = row0 + g + 8 * r, col = n * 8 + 2 * t + c;
+                const bool ok = TRANSPOSED ? visible(p, pidx, sub, b, h, q0, k0, col, row)
+                                           : visible(p, pidx, sub, b, h, q0, k0, row, col);
+                bits |= (unsigned long long)ok << (4 * n + 2 * r + c);
             }
-        }
-    }
+    return bits;
+}
+
+// Sets the scores that `bits` (from mask_bits) hides to -inf: exp2 then gives exactly 0.
+template <int COLS>
+__device__ __forceinline__ void apply_mask(float (&s)[COLS / 8][4], unsigned long long bits) {
+#pragma unroll
+    for (int n = 0; n < COLS / 8; ++n)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            if (!((bits >> (4 * n + j)) & 1ull)) s[n][j] = -INFINITY;
 }
 
 }  // namespace csa

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# compute-sanitizer memcheck and racecheck over the small forward cases (needs a GPU and compute-sanitizer).
+# compute-sanitizer memcheck and racecheck over the small forward and backward cases (needs a GPU and compute-sanitizer).
 # Fails when either tool reports an error. Usage: bash tests/run_sanitizer.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,4 +1,4 @@
-"""Small forward cases for compute-sanitizer (run by tests/run_sanitizer.sh on a GPU host, not by pytest).
+"""Small forward and backward cases for compute-sanitizer (run by tests/run_sanitizer.sh on a GPU host, not by pytest).
 
 Each case covers one path of the kernel: full tiles, C-expression masks, bit masks, empty rows, ragged
 lengths, GQA, [B, S, H, D] strides, head dims that are padded (40) or kept in shared memory (256).
@@ -35,8 +35,10 @@ def main() -> None:
         q = torch.randn(2, seq, 4, dim, device="cuda", dtype=dtype).transpose(1, 2)
         k, v = (torch.randn(2, 4 // group, seq, dim, device="cuda", dtype=dtype) for _ in "kv")
         out, lse = ca.attention_forward(q, k, v, layout)
+        grads = ca.attention_backward(torch.randn_like(out), q, k, v, out, lse, layout)
         torch.cuda.synchronize()
         assert not torch.isnan(out).any() and not torch.isnan(lse).any(), name
+        assert not any(torch.isnan(g).any() for g in grads), name
         print(f"ran {name}", flush=True)
 
 

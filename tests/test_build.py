@@ -47,6 +47,7 @@ def test_params_struct_matches_the_header():
         ({"dtype": "float32"}, "dtype"),
         ({"rule_mode": "bogus"}, "rule_mode"),
         ({"rule_mode": "expr"}, "rule_expr"),
+        ({"kernel": "sideways"}, "kernel"),
     ],
 )
 def test_bad_specs_are_refused(kwargs, match):
@@ -55,17 +56,30 @@ def test_bad_specs_are_refused(kwargs, match):
         build.KernelSpec.make(**args)
 
 
-def test_tile_table_covers_every_supported_head_dim():
+@pytest.mark.parametrize("kernel", build.KERNELS)
+def test_tile_table_covers_every_supported_head_dim(kernel):
     for head_dim in range(8, 257, 8):
-        tm, tn, nw = build.tile_config(head_dim)
-        assert tm == 16 * nw and tn % 16 == 0
+        tm, tn, nw = build.tile_config(kernel, head_dim)
+        # One warp per 16 query rows, or per 16 keys in the dK/dV pass.
+        assert (tn if kernel == "backward_dkdv" else tm) == 16 * nw and tm % 16 == 0 and tn % 16 == 0
     with pytest.raises(ValueError, match="head dim"):
-        build.tile_config(264)
+        build.tile_config(kernel, 264)
 
 
-def test_shared_memory_fits_a_hopper_or_ampere_sm():
+@pytest.mark.parametrize("kernel", build.KERNELS)
+@pytest.mark.parametrize("max_shared", [227 * 1024, 163 * 1024, 99 * 1024])  # H100, A100, sm_86/89
+def test_every_device_gets_tiles_that_fit(kernel, max_shared):
+    for head_dim in range(8, 257, 8):
+        tiles = build.tile_config(kernel, head_dim, max_shared)
+        assert build.shared_bytes(kernel, head_dim, tiles) <= max_shared
+    with pytest.raises(ValueError, match="shared memory"):
+        build.tile_config(kernel, 128, 16 * 1024)
+
+
+def test_shared_memory_fits_a_hopper_sm():
     for spec in build.all_specs():
         assert spec.shared_bytes <= 227 * 1024, spec.name
+        assert f"#define SHARED_BYTES {spec.shared_bytes}" in spec.prelude()
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")

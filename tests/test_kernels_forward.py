@@ -1,7 +1,8 @@
 """The CUDA forward kernel against the reference, on the GPU (``python -m pytest -m gpu``).
 
-Outputs are poisoned with NaN before each launch so that an element the kernel forgets to write shows. The
-tolerance is the STYLE rule: at most twice the error of the reference run in the inputs' precision.
+Outputs are poisoned with NaN before each launch (`kernel_cases`) so that an element the kernel forgets to
+write shows. The tolerance is the STYLE rule: at most twice the error of the reference run in the inputs'
+precision.
 """
 
 from __future__ import annotations
@@ -11,102 +12,19 @@ import math
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from kernel_cases import DTYPES, _torch, cases, layout_for, np_dtype, run_forward, to_host
 from oracle import check_close, forward_refs, random_qkv
 
-from cusparseattn import BlockLayout, TokenRule, patterns
+from cusparseattn import BlockLayout, patterns
 
 pytestmark = pytest.mark.gpu
 
-DTYPES = ["float16", "bfloat16"]
-
-
-def _torch():
-    return pytest.importorskip("torch", reason="the GPU kernel tests hand tensors over with PyTorch")
-
-
-def to_device(x):
-    torch = _torch()
-    import ml_dtypes
-
-    if x.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).cuda().view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(x)).cuda()
-
-
-def to_host(t):
-    torch = _torch()
-    import ml_dtypes
-
-    t = t.detach().cpu()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
-def run_kernel(q, k, v, layout, scale=None):
-    """The kernel on host arrays, with NaN-poisoned outputs; keeps q's strides ([B, S, H, D] views too)."""
-    torch = _torch()
-    from cusparseattn import arrays, cuda
-
-    def put(x):
-        if x.strides[1] < x.strides[2]:  # a [B, S, H, D] array seen as [B, H, S, D]
-            return to_device(x.transpose(0, 2, 1, 3)).transpose(1, 2)
-        return to_device(x)
-
-    tq, tk, tv = (put(x) for x in (q, k, v))
-    out = torch.full(tq.shape, float("nan"), dtype=tq.dtype, device="cuda")
-    lse = torch.full(tq.shape[:3], float("nan"), dtype=torch.float32, device="cuda")
-    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    wrapped = [
-        arrays.wrap(t, name) for t, name in ((tq, "q"), (tk, "k"), (tv, "v"), (out, "out"), (lse, "lse"))
-    ]
-    cuda.forward(*wrapped, layout, scale)
-    torch.cuda.synchronize()
-    return to_host(out), to_host(lse)
-
 
 def assert_matches(q, k, v, layout, dtype, scale=None):
-    out, lse = run_kernel(q, k, v, layout, scale)
+    out, lse = run_forward(q, k, v, layout, scale)
     (out64, lse64), (out_lo, lse_lo) = forward_refs(q, k, v, layout, scale=scale)
     check_close("out", out, out64, out_lo, dtype=dtype)
     check_close("lse", lse, lse64, lse_lo, dtype="float32")
-
-
-def random_layout(rng, sq, sk, block, batch, heads, with_rule):
-    nq, nk = -(-sq // block), -(-sk // block)
-    blocks = rng.random((batch, heads, nq, nk)) < 0.5
-    blocks[..., rng.integers(nq), :] = False  # an empty row
-    if not with_rule:
-        return BlockLayout(blocks, block_size=block, seq_q=sq, seq_k=sk)
-    # A rule with no C expression reaches the kernel as a bit mask per partial tile.
-    rule = TokenRule("mod3", lambda b, h, q, k: (q + 2 * k + h) % 3 != 0)
-    partial = blocks & (rng.random(blocks.shape) < 0.5)
-    return BlockLayout(blocks, block_size=block, seq_q=sq, seq_k=sk, partial=partial, rule=rule)
-
-
-@st.composite
-def cases(draw):
-    dtype = draw(st.sampled_from(DTYPES))
-    head_dim = draw(st.sampled_from([32, 40, 64, 96, 128, 256]))
-    hkv = draw(st.integers(1, 2))
-    group = draw(st.integers(1, 3))
-    seq_q = draw(st.integers(1, 400))
-    seq_k = draw(st.sampled_from([seq_q, draw(st.integers(1, 400))]))
-    block = draw(st.sampled_from([16, 32, 64, 128]))
-    kind = draw(st.sampled_from(["dense", "causal", "local", "random", "random_rule"]))
-    order = draw(st.sampled_from(["bhsd", "bshd"]))
-    return dtype, head_dim, hkv, group, seq_q, seq_k, block, kind, order, draw(st.integers(0, 2**31))
-
-
-def layout_for(kind, rng, b, hq, sq, sk, block):
-    if kind == "dense":
-        return patterns.dense(block=block).layout(sq, sk)
-    if kind == "causal":
-        return patterns.causal(block=block).layout(sq, sk)
-    if kind == "local":
-        return patterns.local(window=int(rng.integers(1, 200)), block=block).layout(sq, sk)
-    return random_layout(rng, sq, sk, block, int(rng.integers(1, b + 1)), hq, kind == "random_rule")
 
 
 @settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
@@ -115,15 +33,9 @@ def test_forward_matches_reference(case):
     dtype, head_dim, hkv, group, seq_q, seq_k, block, kind, order, seed = case
     rng = np.random.default_rng(seed)
     batch = 2
-    q, k, v = random_qkv(rng, batch, hkv * group, hkv, seq_q, seq_k, head_dim, _np_dtype(dtype), order)
+    q, k, v = random_qkv(rng, batch, hkv * group, hkv, seq_q, seq_k, head_dim, np_dtype(dtype), order)
     layout = layout_for(kind, rng, batch, hkv * group, seq_q, seq_k, block)
     assert_matches(q, k, v, layout, dtype)
-
-
-def _np_dtype(name):
-    import ml_dtypes
-
-    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -142,7 +54,7 @@ def test_builtin_rules_compile_as_expressions(name, dtype):
     }[name]
     layout = pattern.layout(seq)
     assert plan.rule_mode(layout) == "expr", layout.rule
-    q, k, v = random_qkv(rng, 2, 2, 1, seq, seq, 64, _np_dtype(dtype))
+    q, k, v = random_qkv(rng, 2, 2, 1, seq, seq, 64, np_dtype(dtype))
     assert_matches(q, k, v, layout, dtype)
 
 
@@ -152,7 +64,7 @@ def test_empty_rows_give_zero_and_minus_inf():
     blocks[1, 2] = True
     layout = BlockLayout(blocks, block_size=64, seq_q=256)
     q, k, v = random_qkv(rng, 1, 2, 2, 256, 256, 64, np.float16)
-    out, lse = run_kernel(q, k, v, layout)
+    out, lse = run_forward(q, k, v, layout)
     assert not np.isnan(out).any() and not np.isnan(lse).any()
     assert (out[:, :, :64] == 0).all() and np.isneginf(lse[:, :, :64]).all()
     assert np.isfinite(lse[:, :, 64:128]).all()
@@ -162,8 +74,8 @@ def test_forward_is_deterministic():
     rng = np.random.default_rng(5)
     layout = patterns.causal(block=128).layout(1000)
     q, k, v = random_qkv(rng, 1, 4, 2, 1000, 1000, 128, np.float16)
-    first = run_kernel(q, k, v, layout)
-    second = run_kernel(q, k, v, layout)
+    first = run_forward(q, k, v, layout)
+    second = run_forward(q, k, v, layout)
     assert np.array_equal(first[0].view(np.uint16), second[0].view(np.uint16))
 
 

@@ -1,6 +1,7 @@
 """The tile plan (layout blocks -> kernel tiles), checked on the CPU by emulating the kernel's masking.
 
-For every query tile, the kernel visits the key tiles of its CSR row; a full tile attends whole (inside the
+For every query tile, the kernel visits the key tiles of its CSR row (the backward's dK/dV pass: for every key
+tile, the query tiles of its CSC column); a full tile attends whole (inside the
 sequence), a partial one applies its sub-block bits, then the rule in partial cells (``expr``) or its bit mask
 (``bits``). Emulating exactly that and comparing with ``layout.to_dense()`` proves the plan loses nothing.
 """
@@ -14,30 +15,43 @@ from hypothesis import strategies as st
 from cusparseattn import BlockLayout, TokenRule, patterns, plan
 
 
-def emulate(p: plan.TilePlan, layout: BlockLayout, b: int, h: int) -> np.ndarray:
+def visits(p: plan.TilePlan, line: int, by: str):
+    """(query tile, key tile, partial index) of every tile the kernel visits for one layout (batch, head)."""
+    if by == "rows":
+        for tq in range(p.tiles_q):
+            row = line * p.tiles_q + tq
+            for tk, pidx in p.entries[p.row_ptr[row] : p.row_ptr[row + 1]]:
+                yield tq, tk, pidx
+    else:
+        for tk in range(p.tiles_k):
+            col = line * p.tiles_k + tk
+            for tq, pidx in p.col_entries[p.col_ptr[col] : p.col_ptr[col + 1]]:
+                yield tq, tk, pidx
+
+
+def emulate(p: plan.TilePlan, layout: BlockLayout, b: int, h: int, by: str = "rows") -> np.ndarray:
     """The token mask [seq_q, seq_k] that the kernel computes from the plan for layout batch b, head h."""
     out = np.zeros((p.tiles_q * p.tile_m, p.tiles_k * p.tile_n), dtype=bool)
     rows = np.arange(p.tile_m)[:, None]
     cols = np.arange(p.tile_n)[None, :]
     bit = ((rows >> p.sub_q_shift) * p.sub_k_count + (cols >> p.sub_k_shift)).astype(np.uint64)
-    for tq in range(p.tiles_q):
-        line = (b * layout.heads + h) * p.tiles_q + tq
-        for tk, pidx in p.entries[p.row_ptr[line] : p.row_ptr[line + 1]]:
-            q, k = tq * p.tile_m + rows, tk * p.tile_n + cols
-            if pidx < 0:
-                tile = np.ones((p.tile_m, p.tile_n), dtype=bool)
-            elif p.rule_mode == "bits":
-                words = p.bit_mask[pidx].view(np.uint8)  # little-endian words of each row
-                tile = (
-                    np.unpackbits(words.reshape(p.tile_m, -1), axis=1, bitorder="little")[:, : p.tile_n] == 1
-                )
-            else:
-                set_bits, partial_bits = p.sub_bits[pidx]
-                tile = ((set_bits >> bit) & np.uint64(1) == 1) & (k < layout.seq_k)
-                if p.rule_mode == "expr":
-                    in_partial = (partial_bits >> bit) & np.uint64(1) == 1
-                    tile &= ~in_partial | layout.rule(b, h, q, k)
-            out[q[:, 0:1].ravel()[:, None], k[0:1, :].ravel()[None, :]] = tile
+    seen = np.zeros((p.tiles_q, p.tiles_k), dtype=int)
+    for tq, tk, pidx in visits(p, b * layout.heads + h, by):
+        seen[tq, tk] += 1
+        q, k = tq * p.tile_m + rows, tk * p.tile_n + cols
+        if pidx < 0:
+            tile = np.ones((p.tile_m, p.tile_n), dtype=bool)
+        elif p.rule_mode == "bits":
+            words = p.bit_mask[pidx].view(np.uint8)  # little-endian words of each row
+            tile = np.unpackbits(words.reshape(p.tile_m, -1), axis=1, bitorder="little")[:, : p.tile_n] == 1
+        else:
+            set_bits, partial_bits = p.sub_bits[pidx]
+            tile = ((set_bits >> bit) & np.uint64(1) == 1) & (k < layout.seq_k)
+            if p.rule_mode == "expr":
+                in_partial = (partial_bits >> bit) & np.uint64(1) == 1
+                tile &= ~in_partial | layout.rule(b, h, q, k)
+        out[q[:, 0:1].ravel()[:, None], k[0:1, :].ravel()[None, :]] = tile
+    assert seen.max(initial=0) <= 1, "a tile is visited twice"
     return out[: layout.seq_q, : layout.seq_k]
 
 
@@ -46,11 +60,13 @@ def assert_plan_exact(layout: BlockLayout, tile_m: int, tile_n: int):
     dense = layout.to_dense()
     for b in range(layout.batch):
         for h in range(layout.heads):
-            np.testing.assert_array_equal(emulate(p, layout, b, h), dense[b, h], err_msg=f"b={b} h={h}")
+            for by in ("rows", "cols"):
+                got = emulate(p, layout, b, h, by)
+                np.testing.assert_array_equal(got, dense[b, h], err_msg=f"b={b} h={h} by {by}")
     return p
 
 
-TILES = [(128, 128), (128, 64), (64, 32)]
+TILES = [(128, 128), (128, 64), (64, 32), (64, 128), (32, 64)]  # forward, dQ and dK/dV tiles
 
 
 @settings(max_examples=40, deadline=None)

@@ -1,0 +1,127 @@
+"""Shared pieces of the GPU kernel tests: random cases, host <-> device transfer, and launches with poisoned
+outputs (NaN before the kernel runs, so an element a kernel forgets to write shows).
+
+Tensors travel through PyTorch; the kernels are called through `cusparseattn.cuda` directly, so these tests
+see the kernels alone (the backends and adapters have their own tests).
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+
+from cusparseattn import BlockLayout, TokenRule, patterns
+
+DTYPES = ["float16", "bfloat16"]
+
+
+def np_dtype(name):
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def _torch():
+    return pytest.importorskip("torch", reason="the GPU kernel tests hand tensors over with PyTorch")
+
+
+def to_device(x):
+    """A host array on the GPU, keeping a [B, S, H, D] view's strides (a transposed [B, H, S, D] array)."""
+    torch = _torch()
+    if x.ndim == 4 and x.strides[1] < x.strides[2]:
+        return to_device(x.transpose(0, 2, 1, 3)).transpose(1, 2)
+    if x.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).cuda().view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(x)).cuda()
+
+
+def to_host(t):
+    torch = _torch()
+    t = t.detach().cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _wrap(**tensors):
+    from cusparseattn import arrays
+
+    return {name: arrays.wrap(t, name) for name, t in tensors.items()}
+
+
+def _poisoned(shape, dtype):
+    torch = _torch()
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+def run_forward(q, k, v, layout, scale=None):
+    """The forward kernel on host arrays: (out, lse) on the host."""
+    torch = _torch()
+    from cusparseattn import cuda
+
+    tq, tk, tv = (to_device(x) for x in (q, k, v))
+    out, lse = _poisoned(tq.shape, tq.dtype), _poisoned(tq.shape[:3], torch.float32)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    h = _wrap(q=tq, k=tk, v=tv, out=out, lse=lse)
+    cuda.forward(h["q"], h["k"], h["v"], h["out"], h["lse"], layout, scale)
+    torch.cuda.synchronize()
+    return to_host(out), to_host(lse)
+
+
+def run_backward(dout, q, k, v, out, lse, layout, scale=None):
+    """The backward kernels on host arrays: (dq, dk, dv, delta) on the host."""
+    torch = _torch()
+    from cusparseattn import cuda
+
+    t = {name: to_device(x) for name, x in dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse).items()}
+    grads = dict(
+        dq=_poisoned(t["q"].shape, t["q"].dtype),
+        dk=_poisoned(t["k"].shape, t["k"].dtype),
+        dv=_poisoned(t["v"].shape, t["v"].dtype),
+        delta=_poisoned(t["q"].shape[:3], torch.float32),
+    )
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    h = _wrap(**t, **grads)
+    names = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "delta")
+    cuda.backward(*(h[n] for n in names), layout, scale)
+    torch.cuda.synchronize()
+    return tuple(to_host(grads[n]) for n in ("dq", "dk", "dv", "delta"))
+
+
+def random_layout(rng, sq, sk, block, batch, heads, with_rule):
+    """Random blocks with an empty query row; with a rule (no C expression: a bit mask) in half the blocks."""
+    nq, nk = -(-sq // block), -(-sk // block)
+    blocks = rng.random((batch, heads, nq, nk)) < 0.5
+    blocks[..., rng.integers(nq), :] = False  # an empty row
+    if not with_rule:
+        return BlockLayout(blocks, block_size=block, seq_q=sq, seq_k=sk)
+    rule = TokenRule("mod3", lambda b, h, q, k: (q + 2 * k + h) % 3 != 0)
+    partial = blocks & (rng.random(blocks.shape) < 0.5)
+    return BlockLayout(blocks, block_size=block, seq_q=sq, seq_k=sk, partial=partial, rule=rule)
+
+
+@st.composite
+def cases(draw, max_seq=400):
+    """(dtype, head_dim, hkv, group, seq_q, seq_k, block, kind, order, seed) of one random kernel case."""
+    dtype = draw(st.sampled_from(DTYPES))
+    head_dim = draw(st.sampled_from([32, 40, 64, 96, 128, 256]))
+    hkv = draw(st.integers(1, 2))
+    group = draw(st.integers(1, 3))
+    seq_q = draw(st.integers(1, max_seq))
+    seq_k = draw(st.sampled_from([seq_q, draw(st.integers(1, max_seq))]))
+    block = draw(st.sampled_from([16, 32, 64, 128]))
+    kind = draw(st.sampled_from(["dense", "causal", "local", "random", "random_rule"]))
+    order = draw(st.sampled_from(["bhsd", "bshd"]))
+    return dtype, head_dim, hkv, group, seq_q, seq_k, block, kind, order, draw(st.integers(0, 2**31))
+
+
+def layout_for(kind, rng, b, hq, sq, sk, block):
+    if kind == "dense":
+        return patterns.dense(block=block).layout(sq, sk)
+    if kind == "causal":
+        return patterns.causal(block=block).layout(sq, sk)
+    if kind == "local":
+        return patterns.local(window=int(rng.integers(1, 200)), block=block).layout(sq, sk)
+    return random_layout(rng, sq, sk, block, int(rng.integers(1, b + 1)), hq, kind == "random_rule")

@@ -1,0 +1,124 @@
+"""The CUDA backward kernels (dQ pass, dK/dV pass) against the reference, on the GPU (``pytest -m gpu``).
+
+Each case runs the forward kernel, then the backward kernels on its ``out`` and ``lse``, as training does.
+Gradients are poisoned with NaN before the launch (`kernel_cases`); the tolerance is the STYLE rule against
+the float64 reference backward (which the reference tests check against finite differences).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from kernel_cases import DTYPES, _torch, cases, layout_for, np_dtype, run_backward, run_forward, to_host
+from oracle import backward_refs, check_close, random_qkv
+
+from cusparseattn import BlockLayout, patterns
+
+pytestmark = pytest.mark.gpu
+
+
+def assert_backward_matches(q, k, v, layout, dtype, rng, scale=None):
+    dout = rng.standard_normal(q.shape).astype(q.dtype)
+    out, lse = run_forward(q, k, v, layout, scale)
+    dq, dk, dv, delta = run_backward(dout, q, k, v, out, lse, layout, scale)
+    ref64, low = backward_refs(dout, q, k, v, layout, scale=scale)
+    for name, got, want, want_low in zip(("dq", "dk", "dv"), (dq, dk, dv), ref64, low, strict=True):
+        check_close(name, got, want, want_low, dtype=dtype)
+    # delta = rowsum(dout * out) of the kernel's own out, in float32.
+    want_delta = np.einsum("bhsd,bhsd->bhs", dout.astype(np.float64), out.astype(np.float64))
+    np.testing.assert_allclose(delta, want_delta, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=50, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(max_seq=300))
+def test_backward_matches_reference(case):
+    dtype, head_dim, hkv, group, seq_q, seq_k, block, kind, order, seed = case
+    rng = np.random.default_rng(seed)
+    batch = 2
+    q, k, v = random_qkv(rng, batch, hkv * group, hkv, seq_q, seq_k, head_dim, np_dtype(dtype), order)
+    layout = layout_for(kind, rng, batch, hkv * group, seq_q, seq_k, block)
+    assert_backward_matches(q, k, v, layout, dtype, rng)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["causal", "local", "strided", "document"])
+def test_builtin_rules(name, dtype):
+    rng = np.random.default_rng(11)
+    seq = 555
+    pattern = {
+        "causal": patterns.causal(block=64),
+        "local": patterns.local(window=150, block=32),
+        "strided": patterns.strided(stride=64, block=64),
+        "document": patterns.document(seq_lens=[[300, 55, 200], [555]], block=64),
+    }[name]
+    q, k, v = random_qkv(rng, 2, 4, 2, seq, seq, 128, np_dtype(dtype))
+    assert_backward_matches(q, k, v, pattern.layout(seq), dtype, rng, scale=0.1)
+
+
+def test_unvisited_rows_and_columns_get_zero_gradients():
+    """A query block that sees nothing and a key block that nobody sees: zero gradients there, no NaN."""
+    rng = np.random.default_rng(3)
+    blocks = np.ones((4, 4), bool)
+    blocks[1, :] = False  # queries 64-127 attend to nothing
+    blocks[:, 2] = False  # keys 128-191 are attended by nobody
+    layout = BlockLayout(blocks, block_size=64, seq_q=256)
+    q, k, v = random_qkv(rng, 1, 2, 1, 256, 256, 64, np.float16)
+    dout = rng.standard_normal(q.shape).astype(q.dtype)
+    out, lse = run_forward(q, k, v, layout)
+    dq, dk, dv, _ = run_backward(dout, q, k, v, out, lse, layout)
+    for g in (dq, dk, dv):
+        assert not np.isnan(g.astype(np.float32)).any()
+    assert (dq[:, :, 64:128] == 0).all()
+    assert (dk[:, :, 128:192] == 0).all() and (dv[:, :, 128:192] == 0).all()
+    assert (dq[:, :, :64] != 0).any() and (dk[:, :, :128] != 0).any()
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_backward_is_deterministic(head_dim):
+    """No atomics: the same inputs give the same bits, GQA sums over its group in a fixed order."""
+    rng = np.random.default_rng(5)
+    layout = patterns.causal(block=128).layout(1000)
+    q, k, v = random_qkv(rng, 1, 8, 2, 1000, 1000, head_dim, np.float16)
+    dout = rng.standard_normal(q.shape).astype(q.dtype)
+    out, lse = run_forward(q, k, v, layout)
+    first = run_backward(dout, q, k, v, out, lse, layout)
+    second = run_backward(dout, q, k, v, out, lse, layout)
+    for a, b in zip(first, second, strict=True):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def test_64bit_offsets():
+    """B * H * S * D above 2**31: the last head's rows sit past 32-bit element offsets."""
+    torch = _torch()
+    from cusparseattn import arrays, cuda
+
+    if torch.cuda.get_device_properties(0).total_memory < 70 * 2**30:
+        pytest.skip("needs 70 GiB of GPU memory")
+    batch, heads, seq, dim = 64, 32, 8192, 128  # 2**31 elements per tensor
+    layout = patterns.local(window=128, block=128).layout(seq)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn():
+        return torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.float16, generator=gen)
+
+    q, k, v, dout = randn(), randn(), randn(), randn()
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:3], device="cuda")
+    names = dict(q=q, k=k, v=v, out=out, lse=lse)
+    h = {n: arrays.wrap(t, n) for n, t in names.items()}
+    cuda.forward(h["q"], h["k"], h["v"], h["out"], h["lse"], layout, 1 / math.sqrt(dim))
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    delta = torch.empty_like(lse)
+    g = {n: arrays.wrap(t, n) for n, t in dict(dout=dout, dq=dq, dk=dk, dv=dv, delta=delta).items()}
+    cuda.backward(
+        g["dout"], h["q"], h["k"], h["v"], h["out"], h["lse"], g["dq"], g["dk"], g["dv"], g["delta"],
+        layout, 1 / math.sqrt(dim),
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    last = [to_host(t[-1:, -1:]) for t in (dout, q, k, v)]
+    ref64, low = backward_refs(*last, layout)
+    for name, got, want, want_low in zip(("dq", "dk", "dv"), (dq, dk, dv), ref64, low, strict=True):
+        check_close(name, to_host(got[-1:, -1:]), want, want_low, dtype="float16")
+    assert not any(torch.isnan(t).any() for t in (dq, dk, dv))
