@@ -1,4 +1,5 @@
-"""Small forward and backward cases for compute-sanitizer (run by tests/run_sanitizer.sh on a GPU host, not by pytest).
+"""Small forward and backward cases for compute-sanitizer (run by tests/run_sanitizer.sh on a GPU host,
+not by pytest).
 
 Each case covers one path of the kernel: full tiles, C-expression masks, bit masks, empty rows, ragged
 lengths, GQA, [B, S, H, D] strides, head dims that are padded (40) or kept in shared memory (256).
