@@ -1,13 +1,30 @@
 """cusparseattn against its peers on one GPU, with the protocol of ANCHORS.md.
 
-    python benchmarks/bench.py                 # the 16 cases, density sweep, memory, compile time
-    python benchmarks/bench.py --quick         # S = 4096 only, no sweep
-    python benchmarks/bench.py --out DIR       # where bench.json and bench.png go (default: .)
+    python benchmarks/bench.py                       # every part below (each prints its seconds)
+    python benchmarks/bench.py --quick               # S = 4096 only: compile time and the cases
+    python benchmarks/bench.py --cases local1024,strided8 --seqs 16384 --dims 128
+    python benchmarks/bench.py --only train-memory   # parts: compile, cases, sweep, memory, train-memory
+    python benchmarks/bench.py --no-backward         # forward only
+    python benchmarks/bench.py --out DIR             # where bench.json and bench.png go (default: .)
 
-Timing: ``triton.testing.do_bench`` (median; warmup 25 ms, rep 100 ms). FLOPs count attended work only:
-``4 * B * H * S * S * D * density``, density being the fraction of 128 x 128 blocks visited. Peers, each when
-importable: FlexAttention (``torch.compile``, Triton backend), SDPA with the flash backend (dense and causal
-only), FlashAttention-4 (``flash_attn.cute``: dense, causal, sliding window). bf16, B = 2, H = 16.
+Parts:
+
+- compile: a cold first call of an unseen rule expression (forward, then backward), and a cached call's host
+  time.
+- cases: dense, causal, local1024 and strided8 at S = 4096 and 16384, D = 128 and 64; forward and
+  forward+backward TFLOP/s of cusparseattn and each peer, and cusparseattn / Flex for both.
+- sweep: forward time against density (S = 16384, D = 128, windows from S/64 to dense).
+- memory: peak extra GPU memory of one forward at S = 4096, 16384, 65536.
+- train-memory: the same for one forward+backward (B = 1, H = 16, D = 128, causal and local1024, S = 16384,
+  32768, 65536), less the gradients dq, dk, dv; bytes per token stay flat when it is O(S).
+
+Timing: ``triton.testing.do_bench`` (median); forward with warmup 25 ms and rep 100 ms under ``no_grad``,
+forward+backward (the forward, then ``out.backward(grad)`` with a fixed random ``grad``; the inputs' ``.grad``
+reset before each call) with warmup 10 ms and rep 50 ms. FLOPs count attended work only: forward
+``4 * B * H * S * S * D * density``, density being the fraction of 128 x 128 blocks visited; forward+backward
+3.5 times that. Peers, each when importable: FlexAttention (``torch.compile``, Triton backend), SDPA with the
+flash backend (dense and causal only), FlashAttention-4 (``flash_attn.cute``: dense, causal, sliding window).
+bf16, B = 2, H = 16.
 """
 
 from __future__ import annotations
@@ -23,6 +40,15 @@ import numpy as np
 
 B, H = 2, 16
 CASES = ["dense", "causal", "local1024", "strided8"]
+PARTS = ["compile", "cases", "sweep", "memory", "train-memory"]
+PEERS = ["cusparseattn", "flex", "sdpa", "fa4"]
+PASSES = {"fwd": "forward", "fwdbwd": "forward+backward"}
+BACKWARD_FLOPS = 3.5  # forward+backward FLOPs per forward FLOP: 2 matmuls forward, 5 backward
+# Bytes per token that one forward+backward must hold at H = 16, D = 128 (bf16): the saved output, its
+# float32 log-sum-exp and the backward's float32 delta = rowsum(dout * out).
+SAVED_PER_TOKEN = H * (128 * 2 + 4 + 4)
+MEMORY_SEQS = (4096, 16384, 65536)  # forward memory
+TRAIN_MEMORY_SEQS = (16384, 32768, 65536)  # forward+backward memory
 
 
 def token_rule(case: str):
@@ -47,23 +73,46 @@ def pattern(case: str):
     }[case]
 
 
-def bench(fn, fwd_only=True) -> float:
+def bench(fn, fwd_only=True, grad_to_none=None) -> float:
     import triton
 
     warmup, rep = (25, 100) if fwd_only else (10, 50)
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    return triton.testing.do_bench(
+        fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median"
+    )
 
 
-def peers(case: str, q, k, v):
-    """{name: forward callable} for each peer that can run this case."""
+def _first(out):
+    """The attention output of a call that may also return the log-sum-exp."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def backward_reasons(q, k, v, layout) -> list[str]:
+    """Why cusparseattn's CUDA backward cannot run on these inputs (empty when it can)."""
+    from cusparseattn import backends
+
+    return backends.why_not(q, k, v, layout, op="backward")["cuda"]
+
+
+@functools.cache
+def compiled_flex():
+    """One compiled flex_attention for the whole run: every case shares its cache of specialisations."""
     import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def peers(case: str, q, k, v) -> tuple[dict, list]:
+    """``({name: callable}, leaves)``: each peer that can run this case as a call returning its output (or
+    ``(out, lse)``), differentiable when q, k, v require grad; leaves are the tensors the backward fills."""
     import torch.nn.functional as F
 
-    out = {}
+    out, leaves = {}, [q, k, v]
     try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import create_block_mask
 
-        flex = torch.compile(flex_attention, dynamic=False)
+        flex = compiled_flex()
         mod = token_rule(case)
         seq = q.shape[2]
         mask = None if mod is None else create_block_mask(mod, None, None, seq, seq, BLOCK_SIZE=128)
@@ -82,51 +131,106 @@ def peers(case: str, q, k, v):
         from flash_attn.cute import flash_attn_func
 
         if case in ("dense", "causal", "local1024"):
-            qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+            # FA4 takes [B, S, H, D]: contiguous copies, leaves of their own for the backward.
+            qt, kt, vt = (
+                x.detach().transpose(1, 2).contiguous().requires_grad_(x.requires_grad) for x in (q, k, v)
+            )
+            leaves += [qt, kt, vt]
             window = (1023, 0) if case == "local1024" else (None, None)
             out["fa4"] = lambda: flash_attn_func(qt, kt, vt, causal=case == "causal", window_size=window)
     except ImportError:
         pass
-    return out
+    return out, leaves
 
 
-def run_cases(seqs, dims, results):
+def measure_case(case: str, q, k, v, backward: bool) -> dict:
+    """One row: forward (and forward+backward) TFLOP/s of cusparseattn and every peer on this case."""
     import torch
 
     import cusparseattn as ca
+
+    batch, heads, seq, dim = q.shape
+    layout = pattern(case).layout(seq)
+    flops = 4 * batch * heads * seq * seq * dim * layout.density
+    row = {"case": case, "S": seq, "D": dim, "density": layout.density, "fwd": {}, "fwdbwd": {}}
+    others, leaves = peers(case, q, k, v)
+    where = f"{case} S={seq} D={dim}"
+    forward = {"cusparseattn": functools.partial(ca.attention_forward, q, k, v, layout), **others}
+    for name, fn in forward.items():
+        try:
+            with torch.no_grad():
+                fn()
+                torch.cuda.synchronize()
+                row["fwd"][name] = flops / bench(fn) / 1e9
+        except Exception as err:  # noqa: BLE001
+            print(f"  {name} forward failed on {where}: {str(err)[:200]}")
+    if not backward:
+        return row
+    training = dict(others)
+    reasons = backward_reasons(q, k, v, layout)
+    if reasons:
+        print(f"  cusparseattn backward cannot run on {where}: {'; '.join(reasons)}")
+    else:
+        # Forced: a backward that cannot run on the GPU raises rather than timing the host reference.
+        training = {
+            "cusparseattn": functools.partial(ca.attention, q, k, v, layout, backend="cuda"),
+            **others,
+        }
+    gen = torch.Generator(device=q.device)
+    for name, fn in training.items():
+        try:
+            out = _first(fn())
+            grad = torch.randn(out.shape, device=out.device, dtype=out.dtype, generator=gen.manual_seed(0))
+            del out  # and the graph it holds
+
+            def step(fn=fn, grad=grad):
+                _first(fn()).backward(grad)
+
+            step()
+            torch.cuda.synchronize()
+            ms = bench(step, fwd_only=False, grad_to_none=leaves)
+            row["fwdbwd"][name] = BACKWARD_FLOPS * flops / ms / 1e9
+        except Exception as err:  # noqa: BLE001
+            print(f"  {name} forward+backward failed on {where}: {str(err)[:200]}")
+        finally:
+            for x in leaves:
+                x.grad = None
+    return row
+
+
+def _ratio(row: dict, pass_: str) -> float:
+    ours, flex = row[pass_].get("cusparseattn"), row[pass_].get("flex")
+    return ours / flex if ours and flex else math.nan
+
+
+def run_cases(seqs, dims, cases, backward: bool, results):
+    import torch
 
     torch._dynamo.config.cache_size_limit = 64
     torch._dynamo.config.recompile_limit = 64
     for dim in dims:
         for seq in seqs:
-            q, k, v = (torch.randn(B, H, seq, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            for case in CASES:
-                layout = pattern(case).layout(seq)
-                density = layout.density
-                flops = 4 * B * H * seq * seq * dim * density
-                row = {"case": case, "S": seq, "D": dim, "density": density}
-                with torch.no_grad():
-                    fns = {"cusparseattn": functools.partial(ca.attention_forward, q, k, v, layout)}
-                    fns.update(peers(case, q, k, v))
-                    for name, fn in fns.items():
-                        try:
-                            fn()
-                            torch.cuda.synchronize()
-                            row[name] = flops / bench(fn) / 1e9
-                        except Exception as err:  # noqa: BLE001
-                            print(f"  {name} failed on {case} S={seq} D={dim}: {str(err)[:200]}")
+            q, k, v = (
+                torch.randn(B, H, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+                for _ in range(3)
+            )
+            for case in cases:
+                row = measure_case(case, q, k, v, backward)
                 results["cases"].append(row)
-                ours, flex = row.get("cusparseattn", 0), row.get("flex")
-                others = " ".join(f"{n} {row[n]:6.1f}" for n in ("flex", "sdpa", "fa4") if n in row)
-                ratio = f"x{ours / flex:.2f} flex" if flex else ""
+                parts = []
+                for pass_, values in ((p, row[p]) for p in PASSES):
+                    if values:
+                        figures = " ".join(f"{n} {values[n]:6.1f}" for n in PEERS if n in values)
+                        ratio = _ratio(row, pass_)
+                        versus = "" if math.isnan(ratio) else f" (x{ratio:.2f} flex)"
+                        parts.append(f"{pass_}: {figures}{versus}")
                 print(
-                    f"{case:10} S={seq:6} D={dim:4} d={density:.3f}: ours {ours:6.1f}  {others}  {ratio}",
-                    flush=True,
+                    f"{case:10} S={seq:6} D={dim:4} d={row['density']:.3f} | {' | '.join(parts)}", flush=True
                 )
 
 
 def density_sweep(results):
-    """S = 16384, D = 128: time against density, windows from S/64 to dense."""
+    """S = 16384, D = 128: forward time against density, windows from S/64 to dense."""
     import torch
 
     import cusparseattn as ca
@@ -157,7 +261,7 @@ def memory(results):
     import cusparseattn as ca
     from cusparseattn import patterns
 
-    for seq in (4096, 16384, 65536):
+    for seq in MEMORY_SEQS:
         q, k, v = (torch.randn(1, H, seq, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         layout = patterns.local(window=1024, block=128).layout(seq)
         ca.attention_forward(q, k, v, layout)
@@ -173,8 +277,81 @@ def memory(results):
         )
 
 
-def compile_time(results):
-    """Cold compile of one new specialisation (an unseen rule expression) and a cached call's host time."""
+def train_memory(results):
+    """Peak extra GPU memory of one forward+backward through `cusparseattn.attention` against S (B = 1).
+
+    Extra is ``max_memory_allocated`` during the call less what was allocated before it (q, k, v and the
+    output gradient) and less the gradients dq, dk, dv it leaves: what attention itself holds (the saved
+    output and log-sum-exp, the backward's scratch). The device tables of a layout live in CuPy's pool,
+    outside torch's count: reported apart, once per layout.
+    """
+    import torch
+
+    import cusparseattn as ca
+    from cusparseattn import patterns
+
+    try:
+        import cupy
+
+        pool = cupy.get_default_memory_pool()
+    except ImportError:
+        pool = None
+    cases = {"causal": patterns.causal(block=128), "local1024": patterns.local(window=1024, block=128)}
+    for name, pat in cases.items():
+        for seq in TRAIN_MEMORY_SEQS:
+            q, k, v = (
+                torch.randn(1, H, seq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(3)
+            )
+            grad = torch.randn_like(q)
+            layout = pat.layout(seq)
+            reasons = backward_reasons(q, k, v, layout)
+            if reasons:
+                print(f"train memory {name} S={seq}: cusparseattn backward cannot run: {'; '.join(reasons)}")
+                return
+            held = pool.used_bytes() if pool is not None else 0
+            ca.attention(q, k, v, layout, backend="cuda").backward(grad)  # compiles, uploads the layout
+            torch.cuda.synchronize()
+            tables = pool.used_bytes() - held if pool is not None else None
+            q.grad = k.grad = v.grad = None
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            ca.attention(q, k, v, layout, backend="cuda").backward(grad)
+            torch.cuda.synchronize()
+            grads = sum(x.grad.numel() * x.grad.element_size() for x in (q, k, v))
+            extra = torch.cuda.max_memory_allocated() - base - grads
+            results["train_memory"].append(
+                {
+                    "case": name,
+                    "S": seq,
+                    "extra_bytes": extra,
+                    "per_token": extra / seq,
+                    "grads_bytes": grads,
+                    "cupy_tables_bytes": tables,
+                }
+            )
+            in_cupy = "?" if tables is None else f"{tables / 2**20:.2f}"
+            print(
+                f"train memory {name:9} S={seq:6}: peak extra {extra / 2**20:8.1f} MiB "
+                f"({extra / seq:.0f} B/token, {SAVED_PER_TOKEN} expected; dq, dk, dv {grads / 2**20:.0f} MiB "
+                f"apart; layout tables in CuPy {in_cupy} MiB)",
+                flush=True,
+            )
+            del q, k, v, grad
+    for name in cases:
+        per_token = [r["per_token"] for r in results["train_memory"] if r["case"] == name]
+        if len(per_token) > 1 and min(per_token) > 0:
+            spread = max(per_token) / min(per_token)
+            verdict = "O(S)" if spread < 1.1 else "NOT O(S)"
+            print(
+                f"train memory {name}: bytes per token vary x{spread:.3f} over S in {TRAIN_MEMORY_SEQS}: "
+                f"{verdict}"
+            )
+
+
+def compile_time(results, backward: bool):
+    """Cold first call of one new specialisation (an unseen rule expression), forward then backward, and a
+    cached forward call's host time."""
     import torch
 
     import cusparseattn as ca
@@ -198,12 +375,22 @@ def compile_time(results):
         ca.attention_forward(q, k, v, layout)
     host_us = (time.perf_counter() - start) / n * 1e6
     torch.cuda.synchronize()
-    results["compile"] = {
-        "cold_first_call_s": cold,
-        "host_us_per_cached_call": host_us,
-        "loads": dict(build.COMPILE_TIMES),
-    }
-    print(f"compile: cold first call {cold:.2f} s; cached call {host_us:.1f} us of host time", flush=True)
+    results["compile"] = {"cold_first_call_s": cold, "host_us_per_cached_call": host_us}
+    line = f"compile: cold first call {cold:.2f} s; cached call {host_us:.1f} us of host time"
+    reasons = backward_reasons(q, k, v, layout) if backward else []
+    if reasons:
+        print(f"compile: cusparseattn backward cannot run: {'; '.join(reasons)}")
+    elif backward:
+        for x in (q, k, v):
+            x.requires_grad_()
+        out = ca.attention(q, k, v, layout, backend="cuda")  # the forward is cached by now
+        start = time.perf_counter()
+        out.backward(torch.randn_like(out))
+        torch.cuda.synchronize()
+        results["compile"]["cold_first_backward_s"] = time.perf_counter() - start
+        line += f"; cold first backward {results['compile']['cold_first_backward_s']:.2f} s"
+    results["compile"]["loads"] = dict(build.COMPILE_TIMES)
+    print(line, flush=True)
 
 
 def plot(results, path: Path):
@@ -215,34 +402,83 @@ def plot(results, path: Path):
     except ImportError:
         print("matplotlib missing: no plot")
         return
-    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    fig, axes = plt.subplots(1, 3, figsize=(20, 5))
     rows = results["cases"]
     labels = [f"{r['case']}\nS{r['S']} D{r['D']}" for r in rows]
     x = np.arange(len(rows))
-    names = ["cusparseattn", "flex", "sdpa", "fa4"]
-    for i, name in enumerate(names):
-        axes[0].bar(x + (i - 1.5) * 0.2, [r.get(name, 0) for r in rows], 0.2, label=name)
-    axes[0].set_xticks(x, labels, fontsize=6, rotation=90)
-    axes[0].set_ylabel("TFLOP/s (forward, attended work)")
-    axes[0].legend()
+    for ax, (pass_, title) in zip(axes[:2], PASSES.items(), strict=True):
+        for i, name in enumerate(PEERS):
+            ax.bar(x + (i - 1.5) * 0.2, [r[pass_].get(name, 0) for r in rows], 0.2, label=name)
+        ax.set_xticks(x, labels, fontsize=6, rotation=90)
+        ax.set_ylabel(f"TFLOP/s ({title}, attended work)")
+        ax.legend()
     if results["sweep"]:
         d = [s["density"] for s in results["sweep"]]
-        axes[1].plot(d, [s["ms"] for s in results["sweep"]], "o-", label="cusparseattn")
-        axes[1].plot(d, [s["bound_ms"] for s in results["sweep"]], "--", label="1.3 x d x dense + 50 us")
-        axes[1].set_xlabel("density")
-        axes[1].set_ylabel("ms")
-        axes[1].legend()
+        axes[2].plot(d, [s["ms"] for s in results["sweep"]], "o-", label="cusparseattn forward")
+        axes[2].plot(d, [s["bound_ms"] for s in results["sweep"]], "--", label="1.3 x d x dense + 50 us")
+        axes[2].set_xlabel("density")
+        axes[2].set_ylabel("ms")
+        axes[2].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def summary(rows) -> None:
+    """The table of every case: TFLOP/s per peer, forward and forward+backward, and cusparseattn / Flex."""
+    head = " ".join(f"{'ours' if n == 'cusparseattn' else n:>7}" for n in PEERS)
+    width = 8 * len(PEERS) + 9
+    print(f"\n{'':22} | {'forward':^{width}} | {'forward+backward':^{width}}")
+    print(f"{'case':10} {'S':>6} {'D':>4} | {head} {'ours/flex':>9} | {head} {'ours/flex':>9}")
+    for r in rows:
+        cells = []
+        for pass_ in PASSES:
+            figures = " ".join(f"{r[pass_][n]:7.1f}" if n in r[pass_] else "      -" for n in PEERS)
+            ratio = _ratio(r, pass_)
+            cells.append(f"{figures} {'-' if math.isnan(ratio) else f'{ratio:.2f}':>9}")
+        print(f"{r['case']:10} {r['S']:6} {r['D']:4} | {' | '.join(cells)}")
+
+
+def _names(text: str, allowed: list[str], what: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"{what} must be a comma-separated subset of {allowed}, got {text!r}"
+        )
+    return names
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(n) for n in text.split(",") if n]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="S = 4096, the parts compile and cases")
+    parser.add_argument(
+        "--only", type=lambda s: _names(s, PARTS, "--only"), help=f"parts to run, from {','.join(PARTS)}"
+    )
+    parser.add_argument(
+        "--cases", type=lambda s: _names(s, CASES, "--cases"), default=CASES, help=f"from {','.join(CASES)}"
+    )
+    parser.add_argument("--seqs", type=_ints, help="sequence lengths of the cases (default 4096,16384)")
+    parser.add_argument(
+        "--dims", type=_ints, default=[128, 64], help="head dims of the cases (default 128,64)"
+    )
+    parser.add_argument("--no-backward", action="store_true", help="time the forward only")
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args(argv)
+    parts = args.only or (["compile", "cases"] if args.quick else PARTS)
+    seqs = args.seqs or ([4096] if args.quick else [4096, 16384])
+    backward = not args.no_backward
     import torch
 
     results = {
@@ -251,27 +487,33 @@ def main(argv=None):
         "cases": [],
         "sweep": [],
         "memory": [],
+        "train_memory": [],
+        "seconds": {},
+        "errors": {},
     }
     print(f"device: {results['device']}, torch {results['torch']}")
-    compile_time(results)
-    run_cases([4096] if args.quick else [4096, 16384], [128, 64], results)
-    if not args.quick:
-        density_sweep(results)
-        memory(results)
+    steps = {
+        "compile": lambda: compile_time(results, backward),
+        "cases": lambda: run_cases(seqs, args.dims, args.cases, backward, results),
+        "sweep": lambda: density_sweep(results),
+        "memory": lambda: memory(results),
+        "train-memory": lambda: train_memory(results),
+    }
+    for part in PARTS:
+        if part in parts and (part != "train-memory" or backward):
+            start = time.perf_counter()
+            try:
+                steps[part]()
+            except Exception as err:  # noqa: BLE001 - one failing part must not lose the others' figures
+                results["errors"][part] = f"{type(err).__name__}: {err}"
+                print(f"{part} failed: {results['errors'][part][:500]}")
+            results["seconds"][part] = time.perf_counter() - start
+            print(f"({part}: {results['seconds'][part]:.0f} s)", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench.json").write_text(json.dumps(results, indent=1))
     plot(results, args.out / "bench.png")
-    print(f"\n{'case':10} {'S':>6} {'D':>4} {'ours':>7} {'flex':>7} {'sdpa':>7} {'fa4':>7} {'ours/flex':>9}")
-    for r in results["cases"]:
-
-        def f(name, r=r):
-            return f"{r[name]:7.1f}" if name in r else "      -"
-
-        ratio = r.get("cusparseattn", 0) / r["flex"] if "flex" in r else math.nan
-        print(
-            f"{r['case']:10} {r['S']:6} {r['D']:4} {f('cusparseattn')} {f('flex')} {f('sdpa')} {f('fa4')} "
-            f"{ratio:9.2f}"
-        )
+    summary(results["cases"])
+    print(f"total {sum(results['seconds'].values()):.0f} s")
 
 
 if __name__ == "__main__":

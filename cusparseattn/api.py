@@ -118,10 +118,11 @@ def _prepare(q, k, v, layout, *, causal, scale, dout=None, out=None, lse=None) -
 
 def _run(inputs: Inputs, op: str, backend: str | None) -> tuple:
     """Select a backend for ``op`` and run it; native arrays of the caller's framework come back."""
-    if inputs.q.framework == "jax" and any(getattr(h, "traced", False) for h in inputs.holders()):
+    if inputs.q.framework == "jax":
         from . import jax as adapter
 
-        return adapter.run_traced(inputs, op, backend)
+        # JAX arrays run inside an XLA call, eager or traced: the kernels then use XLA's buffers and stream.
+        return adapter.run(inputs, op, backend)
     chosen = backends.select(inputs, op, backend)
     results = chosen.forward(inputs) if op == "forward" else chosen.backward(inputs)
     return tuple(r.native for r in results)

@@ -4,7 +4,8 @@
 imports nothing else: a NumPy user never imports torch. A holder exposes what the kernel launch reads (shape,
 strides in elements, dtype name, device, data pointer, the framework's current stream) and three conversions:
 a host NumPy view (zero copy on the CPU), a new array of the same framework and device (kernel outputs), and a
-NumPy result handed back in the caller's framework and device.
+NumPy result handed back in the caller's framework and device. `XlaBuffer` holds what XLA lends a callback
+inside a JAX computation on a GPU (device memory and XLA's stream), so the kernels can run there.
 
 >>> import numpy as np
 >>> x = wrap(np.ones((1, 2, 3, 4), np.float32).transpose(0, 2, 1, 3), "q")
@@ -278,7 +279,8 @@ class JaxTensor(Tensor):
     """A JAX array, or a tracer inside ``jax.jit`` (shape and dtype only: it has no memory yet).
 
     A tracer's device is JAX's default device (``jax.default_device``), where ``jit`` places a computation
-    whose inputs are not committed to another.
+    whose inputs are not committed to another. Kernels never launch on a JAX array directly: XLA keeps its
+    CUDA streams to itself, so `cusparseattn.jax` runs them inside an XLA call, on `XlaBuffer` holders.
     """
 
     framework = "jax"
@@ -334,9 +336,12 @@ class JaxTensor(Tensor):
 
     @property
     def stream(self):
-        # JAX does not expose its streams: finish the work pending on the array, launch on the default stream.
-        self._concrete("stream").block_until_ready()
-        return 0
+        if self.device == CPU:
+            return 0
+        raise TypeError(
+            f"{self.name} is a JAX GPU array, and JAX exposes no stream to launch on outside XLA: "
+            "cusparseattn.jax runs the kernels inside an XLA call, on XLA's stream"
+        )
 
     def numpy(self):
         x = self._concrete("values")
@@ -346,17 +351,9 @@ class JaxTensor(Tensor):
         return np.asarray(x)
 
     def empty(self, shape, dtype):
-        import jax
         import jax.numpy as jnp
 
-        if self.device == CPU:
-            return JaxTensor(jnp.empty(shape, DTYPES[dtype], device=self._jax_device), self.name)
-        import cupy
-
-        # JAX allocates no uninitialised GPU memory: CuPy does, and a JAX array takes it over through DLPack.
-        with cupy.cuda.Device(self.device[1]):
-            buf = cupy.empty(shape, DTYPES[dtype])
-        return JaxTensor(jax.dlpack.from_dlpack(buf), self.name)
+        return JaxTensor(jnp.empty(shape, DTYPES[dtype], device=self._jax_device), self.name)
 
     def from_numpy(self, arr):
         import jax
@@ -368,6 +365,63 @@ class JaxTensor(Tensor):
             except (BufferError, ValueError):
                 pass  # unaligned (XLA wants 64 bytes) or bfloat16, which DLPack cannot carry: one copy
         return JaxTensor(jax.device_put(arr, self._jax_device), self.name)
+
+
+class XlaBuffer(Tensor):
+    """One operand or result of an XLA call on a GPU, as a ``jax.experimental.buffer_callback`` hands it over:
+    XLA's device memory, seen through its ``__cuda_array_interface__``, and XLA's stream to launch on.
+
+    ``dtype`` is the name of the JAX array's dtype: the interface's type string cannot tell bfloat16 from
+    other 2-byte types. Strides the interface leaves out (None) mean a dense row-major buffer, as XLA's are.
+
+    >>> class Buffer:  # what buffer_callback passes on a GPU
+    ...     __cuda_array_interface__ = {"shape": (1, 2, 3, 8), "typestr": "<V2", "data": (4096, True)}
+    ...     def __dlpack_device__(self):
+    ...         return (2, 1)  # (kDLCUDA, device ordinal)
+    >>> b = XlaBuffer(Buffer(), "q", "bfloat16", stream=7)
+    >>> b.shape, b.strides, b.dtype, b.device, b.data_ptr, b.stream
+    ((1, 2, 3, 8), (48, 24, 8, 1), 'bfloat16', ('cuda', 1), 4096, 7)
+    """
+
+    framework = "jax"
+
+    def __init__(self, native, name: str, dtype: str, stream: int):
+        super().__init__(native, name)
+        interface = native.__cuda_array_interface__
+        self._shape = tuple(interface["shape"])
+        strides = interface.get("strides")
+        itemsize = DTYPES[dtype].itemsize
+        self._strides = (
+            _contiguous_strides(self._shape) if strides is None else tuple(s // itemsize for s in strides)
+        )
+        self._dtype = dtype
+        self._data_ptr = interface["data"][0]
+        self._device = ("cuda", native.__dlpack_device__()[1])
+        self._stream = stream
+
+    @property
+    def shape(self):
+        return self._shape
+
+    @property
+    def strides(self):
+        return self._strides
+
+    @property
+    def dtype(self):
+        return self._dtype
+
+    @property
+    def device(self):
+        return self._device
+
+    @property
+    def data_ptr(self):
+        return self._data_ptr
+
+    @property
+    def stream(self):
+        return self._stream
 
 
 _HOLDERS: dict[str, type[Tensor]] = {

@@ -129,7 +129,9 @@ class CudaBackend(Backend):
         if not inputs.on_gpu:
             reasons.append(f"the inputs are on {device_name(inputs.device)}, not on a CUDA device")
         reasons += cuda.available()
-        reasons += cuda.reasons(inputs.dtype, inputs.head_dim)
+        reasons += cuda.reasons(inputs.dtype, inputs.head_dim, inputs.scale)
+        if not reasons:
+            reasons += cuda.device_reasons(inputs.device[1])
         if not reasons:
             # A traced JAX array has no memory yet: cusparseattn.jax checks XLA's buffers when they arrive.
             concrete = [(h.name, h) for h in inputs.holders() if not getattr(h, "traced", False)]
@@ -285,9 +287,9 @@ def _warn_fallback(reasons: list[str]) -> None:
     message = "cusparseattn: running the NumPy reference on the host because cuda: " + "; ".join(reasons)
     if message not in _warned:
         _warned.add(message)
-        # Point at the caller's line: the first frame outside this package.
         frame, level = sys._getframe(0), 1
-        while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == __package__:
+        # Point at the caller's line: the first frame outside this package and JAX (its custom_vjp machinery).
+        while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in (__package__, "jax"):
             frame, level = frame.f_back, level + 1
         warnings.warn(message, RuntimeWarning, stacklevel=level)
 

@@ -35,9 +35,12 @@ def available() -> list[str]:
 MAX_HEAD_DIM = 256
 
 
-def reasons(dtype: str, head_dim: int) -> list[str]:
-    """Why the kernels cannot take inputs of this dtype and head dim (empty when they can)."""
+def reasons(dtype: str, head_dim: int, scale: float = 1.0) -> list[str]:
+    """Why the kernels cannot take inputs of this dtype, head dim and scale (empty when they can)."""
     out = []
+    if not scale > 0:
+        # Masked scores are -inf before scaling: a scale <= 0 would turn them into +inf or NaN.
+        out.append(f"the CUDA kernels take a positive scale, got {scale}")
     if dtype not in build.DTYPES:
         out.append(f"the CUDA kernels take float16 and bfloat16 inputs, got {dtype}")
     if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
@@ -76,13 +79,15 @@ def tensor_reasons(*tensors) -> list[str]:
             out.append(f"{name}'s strides {t.strides} (in elements) are not multiples of 8")
         if t.strides[-1] != 1:
             out.append(f"{name}'s last dimension is not contiguous (strides {t.strides})")
-        cc = compute_capability(t.device[1])
-        if cc < MIN_COMPUTE_CAPABILITY:
-            out.append(
-                f"{name} is on a GPU of compute capability {cc // 10}.{cc % 10}; the kernels need 8.0 "
-                "or newer"
-            )
     return out
+
+
+def device_reasons(device: int) -> list[str]:
+    """Why the kernels cannot run on this GPU (empty when they can)."""
+    cc = compute_capability(device)
+    if cc < MIN_COMPUTE_CAPABILITY:
+        return [f"cuda:{device} has compute capability {cc // 10}.{cc % 10}; the kernels need 8.0 or newer"]
+    return []
 
 
 # ---- per-layout device tables -------------------------------------------------------------------------

@@ -1,11 +1,22 @@
-"""JAX glue: `attention` as a ``jax.custom_vjp`` over the forward and backward passes.
+"""JAX glue: `attention` as a ``jax.custom_vjp`` whose passes run inside XLA: ``jit``, ``grad`` and ``vmap``
+work through it.
 
-`cusparseattn.attention` comes here for JAX arrays, so ``jax.grad`` works through it. Outside ``jax.jit`` the
-passes run eagerly on the arrays' memory (DLPack, no copy on the CPU; the CUDA backend on a GPU). Inside
-``jit`` (or ``vmap``) on the CPU they run through ``jax.pure_callback`` on the NumPy reference. Inside ``jit``
-on a GPU there is no kernel binding yet (an XLA FFI target is a later step): that raises, unless
-``backend="reference"`` asks for the reference on the host. The log-sum-exp that ``return_lse=True`` returns
-is not differentiable.
+`cusparseattn.attention` comes here for JAX arrays. Each pass (forward, backward) is one XLA call, the same
+eager and under ``jit``; the backend is chosen when the call is traced, so errors come before any work:
+
+- CUDA kernels, JAX arrays on a GPU: a ``jax.experimental.buffer_callback`` (JAX 0.7 or newer) lends the
+  kernels XLA's own buffers and stream. They read the inputs and write the outputs in place, queued on XLA's
+  stream: no copy to the host, no synchronisation, no memory besides XLA's.
+- NumPy reference, JAX arrays on the CPU: the same ``buffer_callback``; the reference reads XLA's buffers
+  without a copy and its results are written into XLA's outputs.
+- NumPy reference, JAX arrays on a GPU (``backend="reference"``, or when the kernels cannot take the inputs,
+  which warns): ``jax.pure_callback`` copies the inputs to the host and the results back.
+- JAX older than 0.7, which has no ``buffer_callback``: on the CPU the reference runs through
+  ``jax.pure_callback``; on a GPU the kernels cannot run, and a call raises naming the JAX version needed
+  (``backend="reference"`` still runs on the host).
+
+Under ``vmap`` each element of the mapped axis is one call (``vmap_method="sequential"``). The log-sum-exp
+that ``return_lse=True`` returns is not differentiable.
 
 >>> import jax, jax.numpy as jnp
 >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 2, 64, 16))
@@ -20,8 +31,18 @@ import jax
 import numpy as np
 
 from . import api, backends
-from .arrays import NumpyTensor, wrap
+from .arrays import NumpyTensor, XlaBuffer, wrap
 from .backends import Inputs
+
+try:
+    from jax.experimental.buffer_callback import buffer_callback
+except ImportError:  # JAX older than 0.7
+    buffer_callback = None
+
+#: The arrays each pass reads, and those the kernels write (delta: the backward's float32 scratch), in the
+#: order the XLA call takes and returns them; together, the order of `cuda.forward`'s and `cuda.backward`'s.
+_INPUTS = {"forward": ("q", "k", "v"), "backward": ("dout", "q", "k", "v", "out", "lse")}
+_KERNEL_OUTPUTS = {"forward": ("out", "lse"), "backward": ("dq", "dk", "dv", "delta")}
 
 
 def attention(q, k, v, layout=None, *, causal=False, scale=None, return_lse=False, backend=None):
@@ -47,7 +68,7 @@ def _jax(x, name: str):
 
 def _differentiable(layout, scale: float, backend: str | None):
     def forward(q, k, v):
-        return api._run(Inputs(_jax(q, "q"), _jax(k, "k"), _jax(v, "v"), layout, scale), "forward", backend)
+        return run(Inputs(_jax(q, "q"), _jax(k, "k"), _jax(v, "v"), layout, scale), "forward", backend)
 
     @jax.custom_vjp
     def attend(q, k, v):
@@ -58,48 +79,116 @@ def _differentiable(layout, scale: float, backend: str | None):
         return (out, lse), (q, k, v, out, lse)
 
     def attend_bwd(saved, cotangents):
-        holders = {name: _jax(x, name) for name, x in zip(("q", "k", "v", "out", "lse"), saved, strict=True)}
-        inputs = Inputs(
-            holders["q"],
-            holders["k"],
-            holders["v"],
-            layout,
-            scale,
-            dout=_jax(cotangents[0], "dout"),
-            out=holders["out"],
-            lse=holders["lse"],
+        q, k, v, out, lse = (
+            _jax(x, name) for name, x in zip(("q", "k", "v", "out", "lse"), saved, strict=True)
         )
-        return api._run(inputs, "backward", backend)
+        inputs = Inputs(q, k, v, layout, scale, dout=_jax(cotangents[0], "dout"), out=out, lse=lse)
+        return run(inputs, "backward", backend)
 
     attend.defvjp(attend_fwd, attend_bwd)
     return attend
 
 
-def run_traced(inputs: Inputs, op: str, backend: str | None) -> tuple:
-    """Run ``op`` on traced arrays (inside ``jit``/``vmap``) through ``jax.pure_callback`` on the host."""
-    if inputs.on_gpu and backend != "reference":
-        raise NotImplementedError(
-            "cusparseattn has no XLA binding of its CUDA kernels yet, so it cannot run on a GPU inside "
-            "jax.jit; call it outside jit, or pass backend='reference' to run the NumPy reference on the host"
-        )
-    # The arrays reach the callback as NumPy arrays on the host, where only the reference runs (on the CPU the
-    # CUDA backend says so; on a GPU the caller asked for it). Choosing at trace time raises before any work.
-    chosen = backends.select(inputs, op, backend)
-    q, k, v = inputs.q, inputs.k, inputs.v
-    if op == "forward":
-        names = ("q", "k", "v")
-        lse_dtype = np.float64 if q.dtype == "float64" else np.float32
-        shapes = (jax.ShapeDtypeStruct(q.shape, q.native.dtype), jax.ShapeDtypeStruct(q.shape[:3], lse_dtype))
-    else:
-        names = ("dout", "q", "k", "v", "out", "lse")
-        shapes = tuple(jax.ShapeDtypeStruct(h.shape, h.native.dtype) for h in (q, k, v))
-    natives = [getattr(inputs, name).native for name in names]
+def run(inputs: Inputs, op: str, backend: str | None) -> tuple:
+    """Run ``op`` (``"forward"`` or ``"backward"``) on JAX arrays or tracers as one XLA call.
 
-    def callback(*arrays):
-        given = {name: NumpyTensor(np.asarray(a), name) for name, a in zip(names, arrays, strict=True)}
+    The backend is chosen here, at trace time, on the holders of the arrays or tracers: ``(out, lse)`` or
+    ``(dq, dk, dv)`` come back as JAX arrays (tracers inside ``jit``).
+    """
+    chosen = backends.select(inputs, op, backend)
+    natives = [getattr(inputs, name).native for name in _INPUTS[op]]
+    q = inputs.q
+    if op == "forward":
+        lse_dtype = np.float64 if q.dtype == "float64" else np.float32
+        results = (
+            jax.ShapeDtypeStruct(q.shape, q.native.dtype),
+            jax.ShapeDtypeStruct(q.shape[:3], lse_dtype),
+        )
+    else:
+        results = tuple(jax.ShapeDtypeStruct(h.shape, h.native.dtype) for h in (q, inputs.k, inputs.v))
+    if chosen.name == "cuda":
+        if buffer_callback is None:
+            raise NotImplementedError(
+                "cusparseattn runs its CUDA kernels on JAX GPU arrays through "
+                f"jax.experimental.buffer_callback, which JAX {jax.__version__} lacks: install JAX 0.7 or "
+                "newer, or pass backend='reference' to run the NumPy reference on the host"
+            )
+        if op == "backward":
+            results += (jax.ShapeDtypeStruct(q.shape[:3], np.float32),)  # delta: the kernels' scratch
+        call = _Kernels(op, inputs.layout, inputs.scale, q.dtype)
+        outputs = buffer_callback(call, results, vmap_method="sequential")(*natives)
+        return tuple(outputs[:3]) if op == "backward" else tuple(outputs)
+    # The reference runs on the host: in place on XLA's CPU buffers where it can, else on copies.
+    if not inputs.on_gpu and buffer_callback is not None:
+        call = _ReferenceInPlace(op, inputs.layout, inputs.scale, q.dtype)
+        return tuple(buffer_callback(call, results, vmap_method="sequential")(*natives))
+    call = _ReferenceOnCopies(op, inputs.layout, inputs.scale, q.dtype)
+    return tuple(jax.pure_callback(call, results, *natives, vmap_method="sequential"))
+
+
+class _Pass:
+    """One pass of one call, as the Python function of an XLA call (its subclasses say which kind).
+
+    Two are equal when they run the same pass on the same layout (the same object), scale and dtype: JAX
+    compiles an eager call of a primitive once per distinct parameters, the function among them, so a fresh
+    closure per call would compile again on every eager call.
+    """
+
+    def __init__(self, op: str, layout, scale: float, dtype: str):
+        self.op, self.layout, self.scale, self.dtype = op, layout, scale, dtype
+
+    def _key(self) -> tuple:
+        return (type(self), self.op, id(self.layout), self.scale, self.dtype)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Pass) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def reference(self, arrays: list[np.ndarray]) -> tuple[np.ndarray, ...]:
+        """The NumPy reference on host arrays of the pass's inputs, in `_INPUTS` order."""
+        given = {name: NumpyTensor(a, name) for name, a in zip(_INPUTS[self.op], arrays, strict=True)}
         extra = {name: given[name] for name in ("dout", "out", "lse") if name in given}
-        run = Inputs(given["q"], given["k"], given["v"], inputs.layout, inputs.scale, **extra)
-        results = chosen.forward(run) if op == "forward" else chosen.backward(run)
+        inputs = Inputs(given["q"], given["k"], given["v"], self.layout, self.scale, **extra)
+        reference = backends.BACKENDS["reference"]
+        results = reference.forward(inputs) if self.op == "forward" else reference.backward(inputs)
         return tuple(r.native for r in results)
 
-    return tuple(jax.pure_callback(callback, shapes, *natives, vmap_method="sequential"))
+
+class _Kernels(_Pass):
+    """For ``buffer_callback`` on a GPU: the kernels read and write XLA's buffers, queued on XLA's stream."""
+
+    def __call__(self, ctx, outputs, *args) -> None:
+        from . import cuda
+
+        stream = ctx.stream
+        names = _INPUTS[self.op] + _KERNEL_OUTPUTS[self.op]
+        held = {
+            name: XlaBuffer(buffer, name, "float32" if name in ("lse", "delta") else self.dtype, stream)
+            for name, buffer in zip(names, (*args, *outputs), strict=True)
+        }
+        # Traced arrays had no memory to check when the backend was chosen. XLA's buffers are dense and
+        # aligned; a check of the inputs (the outputs are XLA's own, as CudaBackend's are its own) turns a
+        # surprise into an error instead of a misaligned access.
+        reasons = cuda.tensor_reasons(*((name, held[name]) for name in _INPUTS[self.op]))
+        if reasons:
+            raise ValueError("the CUDA kernels cannot read XLA's buffers: " + "; ".join(reasons))
+        launch = cuda.forward if self.op == "forward" else cuda.backward
+        launch(*held.values(), self.layout, self.scale)
+
+
+class _ReferenceInPlace(_Pass):
+    """For ``buffer_callback`` on the CPU: the reference reads XLA's buffers and fills XLA's outputs."""
+
+    def __call__(self, ctx, outputs, *args) -> None:
+        results = self.reference([np.asarray(a) for a in args])
+        for output, result in zip(outputs, results, strict=True):
+            np.asarray(output)[...] = result
+
+
+class _ReferenceOnCopies(_Pass):
+    """For ``jax.pure_callback``: the reference on host copies of the inputs, returning its results."""
+
+    def __call__(self, *arrays) -> tuple[np.ndarray, ...]:
+        return self.reference([np.asarray(a) for a in arrays])

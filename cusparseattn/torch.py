@@ -1,9 +1,17 @@
-"""PyTorch glue: `attention` as an ``autograd.Function`` and the `SparseAttention` module.
+"""PyTorch glue: `attention` on two custom operators, and the `SparseAttention` module.
 
-`cusparseattn.attention` comes here for torch tensors, so it is differentiable. The forward saves ``q, k, v,
-out, lse`` for the backward; ``recompute=True`` saves only ``q, k, v`` and runs the forward again in the
-backward (less memory held between the passes, one more forward). The log-sum-exp that ``return_lse=True``
-returns is not differentiable.
+`cusparseattn.attention` comes here for torch tensors, so it is differentiable. The passes are the operators
+``torch.ops.cusparseattn.attention_forward`` (``out, lse``) and ``attention_backward`` (``dq, dk, dv``), each
+with a fake implementation (shapes only) and autograd registered through ``torch.library``, so
+``torch.compile`` keeps them whole in its graph (``fullgraph=True`` works) while CPU tensors run the NumPy
+reference and CUDA tensors the kernels. The forward saves ``q, k, v, out, lse`` for the backward;
+``recompute=True`` saves only ``q, k, v`` and runs the forward again in the backward (less memory held
+between the passes, one more forward). The log-sum-exp that ``return_lse=True`` returns is not
+differentiable.
+
+An operator takes tensors, numbers and strings, not layouts: `attention` validates its arguments, picks
+the layout for these lengths and hands the operators an integer key of a process-wide registry that holds
+layouts by weak reference. The same layout always gets the same key, so a compiled graph sees a constant.
 
 >>> import torch
 >>> from cusparseattn import patterns
@@ -17,12 +25,150 @@ torch.Size([1, 2, 64, 16])
 
 from __future__ import annotations
 
+import itertools
+import math
+import numbers
+import operator
+import threading
+import weakref
+
 import torch
-from torch.autograd.function import once_differentiable
 
 from . import api, backends
-from .arrays import wrap
+from .arrays import CPU, Tensor, wrap
 from .backends import Inputs
+from .layout import BlockLayout
+
+
+class _LayoutRegistry:
+    """Integer keys for layouts, which custom operators cannot take as arguments.
+
+    A layout keeps its key while it lives (the same object, the same key: a compiled graph that holds the key
+    as a constant stays valid); the registry holds it weakly, so a layout nobody else holds is dropped.
+    Keys are never reused.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._count = itertools.count()
+        self._keys: dict[int, int] = {}  # id(layout) -> key, while the layout lives
+        self._layouts: weakref.WeakValueDictionary[int, BlockLayout] = weakref.WeakValueDictionary()
+
+    def key(self, layout: BlockLayout) -> int:
+        with self._lock:
+            key = self._keys.get(id(layout))
+            if key is None or self._layouts.get(key) is not layout:
+                key = next(self._count)
+                self._keys[id(layout)] = key
+                self._layouts[key] = layout
+                # Runs as the layout dies, before its id can be reused; pop() needs no lock (atomic).
+                weakref.finalize(layout, self._keys.pop, id(layout), None)
+            return key
+
+    def layout(self, key: int) -> BlockLayout:
+        layout = self._layouts.get(key)
+        if layout is None:
+            raise RuntimeError(
+                f"cusparseattn: layout key {key} names no live layout; keys come from cusparseattn.torch."
+                "attention, which keeps each layout alive as long as the autograd graph or compiled code "
+                "that uses it"
+            )
+        return layout
+
+    def __len__(self) -> int:
+        return len(self._layouts)
+
+
+_LAYOUTS = _LayoutRegistry()
+
+
+class _Described(Tensor):
+    """A torch tensor known by its metadata alone, which is all validation and backend choice read.
+
+    Like a traced JAX array it has no memory to check (alignment): the operator checks the real tensors.
+    """
+
+    framework = "torch"
+    traced = True
+
+    def __init__(self, name, shape, strides, dtype, device):
+        super().__init__(None, name)
+        self._shape, self._strides = tuple(shape), tuple(strides)
+        self._dtype = str(dtype).removeprefix("torch.")
+        self._device = CPU if device.type == "cpu" else (device.type, device.index or 0)
+
+    @property
+    def shape(self):
+        return self._shape
+
+    @property
+    def strides(self):
+        return self._strides
+
+    @property
+    def dtype(self):
+        return self._dtype
+
+    @property
+    def device(self):
+        return self._device
+
+
+def _describe(t):
+    """``t``'s shape, strides, dtype and device as plain constants (a non-tensor passes as it is).
+
+    ``operator.index`` makes ``torch.compile`` specialise dynamic sizes here: a layout is built for one pair
+    of lengths, so the graph is too.
+    """
+    if not isinstance(t, torch.Tensor):
+        return t
+    shape = tuple(operator.index(n) for n in t.shape)
+    strides = tuple(operator.index(s) for s in t.stride())
+    return shape, strides, t.dtype, t.device
+
+
+@torch.compiler.assume_constant_result
+def _plan(layout, causal, backend, backward, q, k, v):
+    """Validate one call from its arguments and tensor descriptions: ``(layout key, default scale, layout,
+    error)``, where ``error`` is None or the ``(exception type name, message)`` that the caller raises.
+
+    ``torch.compile`` runs this once while it traces (the result depends on the arguments alone, which it
+    guards) and keeps the result, whose layout then lives as long as the compiled code. The caller raises the
+    error so that it is an exception of the traced code, which eager PyTorch then raises as it is.
+    """
+    try:
+        holders = []
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(x, tuple):
+                h = wrap(x, name)
+                raise TypeError(
+                    f"{name} must be a torch.Tensor, got a {h.framework} array; cusparseattn.attention takes "
+                    "arrays of any framework"
+                )
+            holders.append(_Described(name, *x))
+        inputs = api._prepare(*holders, layout, causal=causal, scale=None)
+        backends.select(inputs, "forward", backend)
+        if backend is not None and backward:
+            backends.select(inputs, "backward", backend)  # a forced backend must run the backward: say so now
+    except (TypeError, ValueError) as err:
+        return None, None, None, ("TypeError" if isinstance(err, TypeError) else "ValueError", str(err))
+    return _LAYOUTS.key(inputs.layout), inputs.scale, inputs.layout, None
+
+
+_ERRORS = {"TypeError": TypeError, "ValueError": ValueError}
+
+
+def _scale(scale, default: float) -> float:
+    """``scale`` checked, or ``default`` for None. Traceable also where ``torch.compile`` has made a float
+    argument symbolic (it changed between calls), which `_plan` could not take.
+    """
+    if scale is None:
+        return default
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None (1/sqrt(D)), got {type(scale).__qualname__}")
+    if not -math.inf < scale < math.inf:
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    return float(scale)
 
 
 def attention(
@@ -31,6 +177,7 @@ def attention(
     """Differentiable block-sparse attention on torch tensors; arguments as in `cusparseattn.attention`.
 
     ``recompute=True`` keeps only ``q, k, v`` for the backward and recomputes ``out`` and ``lse`` there.
+    Works inside ``torch.compile`` without a graph break.
 
     >>> import torch
     >>> q = k = v = torch.randn(1, 4, 50, 8)
@@ -38,38 +185,96 @@ def attention(
     >>> out.dtype, lse.dtype, lse.shape
     (torch.float32, torch.float32, torch.Size([1, 4, 50]))
     """
-    inputs = api._prepare(q, k, v, layout, causal=causal, scale=scale)
-    chosen = backends.select(inputs, "forward", backend)
-    if backend is not None and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        backends.select(inputs, "backward", backend)  # a forced backend must run the backward too: say so now
-    out, lse = _Attention.apply(q, k, v, inputs.layout, inputs.scale, chosen, backend, recompute)
+    backward = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)
+    )
+    key, default_scale, _, error = _plan(
+        layout, causal, backend, backward, _describe(q), _describe(k), _describe(v)
+    )
+    if error is not None:
+        raise _ERRORS[error[0]](error[1])
+    scale = _scale(scale, default_scale)
+    out, lse = torch.ops.cusparseattn.attention_forward(q, k, v, key, scale, backend, recompute)
     return (out, lse) if return_lse else out
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, layout, scale, chosen, backend, recompute):
-        inputs = Inputs(wrap(q, "q"), wrap(k, "k"), wrap(v, "v"), layout, scale)
-        out, lse = (h.native for h in chosen.forward(inputs))
-        ctx.mark_non_differentiable(lse)
-        ctx.layout, ctx.scale, ctx.backend, ctx.recompute = layout, scale, backend, recompute
-        ctx.save_for_backward(*((q, k, v) if recompute else (q, k, v, out, lse)))
-        return out, lse
+# ---- the operators -----------------------------------------------------------------------------------------
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout, _dlse):
-        q, k, v, *saved = ctx.saved_tensors
-        if dout.stride(-1) != 1:
-            dout = dout.contiguous()  # e.g. the stride-0 ones that out.sum().backward() sends
-        inputs = Inputs(wrap(q, "q"), wrap(k, "k"), wrap(v, "v"), ctx.layout, ctx.scale)
-        if ctx.recompute:
-            out, lse = backends.select(inputs, "forward", ctx.backend).forward(inputs)
-        else:
-            out, lse = wrap(saved[0], "out"), wrap(saved[1], "lse")
-        inputs.dout, inputs.out, inputs.lse = wrap(dout, "dout"), out, lse
-        dq, dk, dv = backends.select(inputs, "backward", ctx.backend).backward(inputs)
-        return dq.native, dk.native, dv.native, None, None, None, None, None
+
+def _inputs(q, k, v, layout_key: int, scale: float, **extra) -> Inputs:
+    """One operator call's arguments, checked as `attention` checks them: the operators are public too."""
+    return api._prepare(q, k, v, _LAYOUTS.layout(layout_key), causal=False, scale=scale, **extra)
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.custom_op("cusparseattn::attention_forward", mutates_args=())
+def _forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout_key: int,
+    scale: float,
+    backend: str | None,
+    recompute: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)``, contiguous. ``recompute`` changes only what autograd saves for the backward."""
+    inputs = _inputs(q, k, v, layout_key, scale)
+    out, lse = backends.select(inputs, "forward", backend).forward(inputs)
+    return out.native.contiguous(), lse.native.contiguous()
+
+
+@_forward.register_fake
+def _forward_fake(q, k, v, layout_key, scale, backend, recompute):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("cusparseattn::attention_backward", mutates_args=())
+def _backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    layout_key: int,
+    scale: float,
+    backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)``, contiguous, from ``dout``, the gradient of the loss with respect to ``out``."""
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()  # e.g. the stride-0 ones that out.sum().backward() sends
+    inputs = _inputs(q, k, v, layout_key, scale, dout=dout, out=out, lse=lse)
+    grads = backends.select(inputs, "backward", backend).backward(inputs)
+    return tuple(g.native.contiguous() for g in grads)
+
+
+@_backward.register_fake
+def _backward_fake(dout, q, k, v, out, lse, layout_key, scale, backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, layout_key, scale, backend, recompute = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.layout_key, ctx.scale, ctx.backend, ctx.recompute = layout_key, scale, backend, recompute
+    ctx.layout = _LAYOUTS.layout(layout_key)  # keeps the layout alive until the backward has run
+    ctx.save_for_backward(*((q, k, v) if recompute else (q, k, v, out, lse)))
+
+
+def _autograd_backward(ctx, dout, _dlse):
+    q, k, v, *saved = ctx.saved_tensors
+    args = (ctx.layout_key, ctx.scale, ctx.backend)
+    if ctx.recompute:
+        saved = torch.ops.cusparseattn.attention_forward(q, k, v, *args, False)
+    dq, dk, dv = torch.ops.cusparseattn.attention_backward(dout, q, k, v, *saved, *args)
+    return dq, dk, dv, None, None, None, None
+
+
+_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 class SparseAttention(torch.nn.Module):

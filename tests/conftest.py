@@ -14,6 +14,9 @@ import os
 import pytest
 from hypothesis import settings
 
+# JAX takes 75 % of the GPU's memory when first used; the torch and CuPy tests of this process need it too.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 NO_GPU = "no CUDA GPU visible (cupy.cuda.runtime.getDeviceCount() == 0 or CuPy missing)"
 _CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 

@@ -105,6 +105,66 @@ def test_wrap_leaves_holders_alone_and_rejects_torch_non_tensors():
         wrap(torch.Size([1, 2]), "k")
 
 
+def test_jax_gpu_array_has_no_stream_outside_xla(monkeypatch):
+    monkeypatch.setattr(arrays.JaxTensor, "device", property(lambda self: ("cuda", 0)))
+    with pytest.raises(
+        TypeError, match="q is a JAX GPU array, and JAX exposes no stream to launch on outside"
+    ):
+        wrap(jnp.ones((2, 3)), "q").stream  # noqa: B018
+
+
+class FakeXlaBuffer:
+    """What jax.experimental.buffer_callback lends a callback on a GPU (there is none here)."""
+
+    def __init__(self, shape, typestr, address, device=3, **strides):
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "data": (address, False),
+            **strides,
+        }
+        self.device = device
+
+    def __dlpack_device__(self):
+        return (2, self.device)  # kDLCUDA
+
+
+# bfloat16's type string is a bare 2-byte void: the holder takes the dtype from JAX, never from the string.
+XLA_DTYPES = [("bfloat16", "<V2"), ("float16", "<f2"), ("float32", "<f4")]
+
+
+@pytest.mark.parametrize("dtype, typestr", XLA_DTYPES)
+@pytest.mark.parametrize("strides", [{}, {"strides": None}], ids=["no_strides", "strides_none"])
+def test_xla_buffer_holder_fields(dtype, typestr, strides):
+    buf = FakeXlaBuffer((2, 3, 5, 8), typestr, 0x7F0000001000, **strides)
+    h = arrays.XlaBuffer(buf, "q", dtype, stream=0xABC)
+    assert (h.framework, h.name, h.native, h.dtype, h.device) == ("jax", "q", buf, dtype, ("cuda", 3))
+    assert (h.shape, h.strides, h.data_ptr, h.stream) == (
+        (2, 3, 5, 8),
+        (120, 40, 8, 1),
+        0x7F0000001000,
+        0xABC,
+    )
+    assert h.describe() == f"q {dtype} [2, 3, 5, 8] (jax, cuda:3)" and wrap(h, "k") is h
+
+
+@pytest.mark.parametrize("dtype, typestr", XLA_DTYPES)
+def test_xla_buffer_holder_reads_byte_strides(dtype, typestr):
+    size = arrays.DTYPES[dtype].itemsize
+    # A [B, S, H, D] buffer seen as [B, H, S, D], strides in bytes as the interface gives them.
+    buf = FakeXlaBuffer(
+        (1, 3, 5, 8), typestr, 4096, device=0, strides=tuple(size * s for s in (120, 8, 24, 1))
+    )
+    h = arrays.XlaBuffer(buf, "k", dtype, stream=0)
+    assert h.strides == (120, 8, 24, 1) and h.device == ("cuda", 0) and h.shape == (1, 3, 5, 8)
+
+
+def test_xla_buffers_pass_validation():
+    q, k = (FakeXlaBuffer(s, "<V2", 256 * i) for i, s in enumerate([(1, 4, 24, 8), (1, 2, 40, 8)], 1))
+    h = [arrays.XlaBuffer(b, n, "bfloat16", stream=1) for b, n in ((q, "q"), (k, "k"), (k, "v"))]
+    assert validate(*h) == Sizes(1, 4, 2, 24, 40, 8, "bfloat16", ("cuda", 3), "jax")
+
+
 # ---- numpy(): zero copy on the CPU ---------------------------------------------------------------------
 
 
@@ -364,7 +424,9 @@ def test_jax_gpu_holder():
         pytest.skip("JAX sees no GPU")
     x = jax.device_put(jnp.asarray(randn(1, 2, 6, 16)), gpus[0])
     h = wrap(x, "v")
-    assert h.device == ("cuda", gpus[0].local_hardware_id) and h.stream == 0
+    assert h.device == ("cuda", gpus[0].local_hardware_id)
+    with pytest.raises(TypeError, match="JAX exposes no stream to launch on outside XLA"):
+        h.stream  # noqa: B018
     np.testing.assert_array_equal(h.numpy(), randn(1, 2, 6, 16))
     e = h.empty((2, 3), "float16").native
     assert e.devices() == {gpus[0]} and e.dtype == jnp.float16

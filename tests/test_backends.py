@@ -176,7 +176,8 @@ def test_cuda_is_chosen_for_supported_gpu_inputs():
     q = torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.float16)
     assert why_not(q, q, q)["cuda"] == []
     assert select(inputs_of(q), "forward").name == "cuda"
-    assert select(inputs_of(q), "backward").name == "reference"  # until the backward kernel lands
+    assert why_not(q, q, q, op="backward")["cuda"] == []
+    assert select(inputs_of(q), "backward").name == "cuda"
 
 
 def test_fallback_warning_points_at_the_callers_line(monkeypatch):
@@ -185,3 +186,9 @@ def test_fallback_warning_points_at_the_callers_line(monkeypatch):
     with pytest.warns(RuntimeWarning) as record:
         select(gpu_inputs(), "forward")
     assert record[0].filename == __file__
+
+
+def test_cuda_takes_positive_scales_only():
+    assert cuda.reasons("float16", 64, 0.5) == []
+    for scale in (0.0, -1.0):
+        assert cuda.reasons("float16", 64, scale) == [f"the CUDA kernels take a positive scale, got {scale}"]

@@ -1,15 +1,23 @@
-"""The PyTorch adapter: gradients by gradcheck (CPU, float64), empty rows, recompute, the module."""
+"""The PyTorch adapter: its custom operators (opcheck), gradients by gradcheck (CPU, float64), empty rows,
+recompute, the module, and ``torch.compile`` without graph breaks; on a GPU, the kernels through it."""
 
 from __future__ import annotations
 
+import gc
+import warnings
+
 import numpy as np
 import pytest
+from kernel_cases import np_dtype, to_device, to_host
+from oracle import backward_refs, check_close, forward_refs, random_qkv
 
-from cusparseattn import patterns, reference
+import cusparseattn
+from cusparseattn import backends, patterns, reference
 from cusparseattn.layout import BlockLayout, TokenRule
 
 torch = pytest.importorskip("torch")
 ca_torch = pytest.importorskip("cusparseattn.torch")
+ops = torch.ops.cusparseattn
 
 
 def tensors(B=1, Hq=2, Hkv=2, Sq=24, Sk=24, D=4, dtype=torch.float64, seed=0, requires_grad=True):
@@ -125,20 +133,313 @@ def test_sparse_attention_module():
     assert isinstance(module, torch.nn.Module) and list(module.parameters()) == []
 
 
+def test_no_torch_tensor_is_named():
+    q, k, v = tensors(requires_grad=False)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor, got a numpy array"):
+        ca_torch.attention(q.numpy(), k, v)
+    with pytest.raises(ValueError, match="scale must be finite, got nan"):
+        ca_torch.attention(q, k, v, scale=float("nan"))
+
+
+# ---- the custom operators ---------------------------------------------------------------------------------
+
+OP_CASES = {
+    "dense": (dict(), lambda: patterns.dense().layout(24)),
+    "causal_gqa": (dict(Hq=4, Hkv=2, Sq=20, Sk=28), lambda: patterns.causal(block=16).layout(20, 28)),
+    "random_layout_with_rule": (dict(Sq=40, Sk=48, Hq=2), lambda: sparse_layout(heads=2)),
+    # The first query rows attend to nothing, as does the random layout's second query block row.
+    "empty_rows": (dict(Sq=28, Sk=20), lambda: patterns.causal(block=16).layout(28, 20)),
+}
+
+
+def bshd(*xs):
+    """The same values as [B, S, H, D] arrays seen through a transpose."""
+    return [x.detach().transpose(1, 2).contiguous().transpose(1, 2) for x in xs]
+
+
+@pytest.mark.parametrize("name", list(OP_CASES))
+def test_opcheck_forward(name):
+    sizes, make_layout = OP_CASES[name]
+    layout = make_layout()
+    key = ca_torch._LAYOUTS.key(layout)
+    q, k, v = tensors(**sizes)
+    for args in ((q, k, v, key, 0.4, None, False), (*bshd(q, k, v), key, 0.4, "reference", True)):
+        result = torch.library.opcheck(ops.attention_forward, args)
+        assert set(result.values()) == {"SUCCESS"}, result
+
+
+@pytest.mark.parametrize("name", list(OP_CASES))
+def test_opcheck_backward(name):
+    sizes, make_layout = OP_CASES[name]
+    layout = make_layout()
+    key = ca_torch._LAYOUTS.key(layout)
+    q, k, v = tensors(**sizes, requires_grad=False)  # the backward is not differentiable itself
+    out, lse = ops.attention_forward(q, k, v, key, 0.4, None, False)
+    dout = torch.randn(out.shape, dtype=out.dtype)
+    result = torch.library.opcheck(ops.attention_backward, (dout, q, k, v, out, lse, key, 0.4, None))
+    assert set(result.values()) == {"SUCCESS"}, result
+    # A stride-0 dout, as out.sum().backward() sends, gives the reference's gradients.
+    dout = torch.randn((), dtype=out.dtype).expand(out.shape)
+    arrays = [x.numpy() for x in (dout, q, k, v, out, lse)]
+    want = reference.backward(*arrays, layout, scale=0.4, precision=np.float64)
+    got = ops.attention_backward(dout, q, k, v, out, lse, key, 0.4, None)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g.numpy(), w)
+
+
+def test_operators_check_their_arguments():
+    q, k, v = tensors(requires_grad=False)
+    layout = patterns.dense().layout(24)
+    key = ca_torch._LAYOUTS.key(layout)
+    with pytest.raises(ValueError, match="k has 2 heads, and q's 3 heads"):
+        ops.attention_forward(torch.randn(1, 3, 24, 4, dtype=q.dtype), k, v, key, 0.5, None, False)
+    with pytest.raises(ValueError, match="layout was built for seq_q=24"):
+        ops.attention_forward(q[:, :, :20], k, v, key, 0.5, None, False)
+
+
+def test_layout_keys_are_stable_and_weak():
+    lay = sparse_layout()
+    key = ca_torch._LAYOUTS.key(lay)
+    assert ca_torch._LAYOUTS.key(lay) == key and ca_torch._LAYOUTS.layout(key) is lay
+    assert ca_torch._LAYOUTS.key(sparse_layout()) != key  # equal contents, another object
+    del lay
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"layout key {key} names no live layout"):
+        ca_torch._LAYOUTS.layout(key)
+
+
+def test_autograd_keeps_a_temporary_layout_alive():
+    q, k, v = tensors(Sq=40, Sk=48)
+    dout = torch.randn(q.shape, dtype=q.dtype)
+    ca_torch.attention(q, k, v, sparse_layout()).backward(dout)  # nothing else holds this layout
+    gc.collect()
+    want = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    out = ca_torch.attention(q, k, v, sparse_layout())
+    gc.collect()
+    out.backward(dout)
+    for t, w in zip((q, k, v), want, strict=True):
+        torch.testing.assert_close(t.grad, w, rtol=0, atol=0)
+
+
+# ---- torch.compile ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def dynamo():
+    """A fresh dynamo cache: recompilations of the same test code do not count against its limit."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Model(torch.nn.Module):
+    """``cusparseattn.attention`` (the function), a weight, then a `SparseAttention` (the module)."""
+
+    def __init__(self, recompute=False):
+        super().__init__()
+        self.mix = torch.nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(1)) / 3)
+        self.attn = ca_torch.SparseAttention(
+            patterns.local(window=16, block=16), causal=True, scale=0.4, recompute=recompute
+        )
+        self.layout = sparse_layout(Sq=40, Sk=40, heads=4)
+        self.recompute = recompute
+
+    def forward(self, q, k, v):
+        h = cusparseattn.attention(q, k, v, self.layout, causal=True)
+        h = ca_torch.attention(h @ self.mix, k, v, recompute=self.recompute) + h
+        return self.attn(h, k, v)
+
+
+def outputs_and_grads(fn, model, args):
+    for t in [*args, *model.parameters()]:
+        t.grad = None
+    out = fn(*args)
+    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return [out.detach(), *(t.grad for t in [*args, *model.parameters()])]
+
+
+class GraphRecorder:
+    """A compiler backend that keeps AOT autograd's forward and backward graphs and runs them as they are."""
+
+    def __init__(self):
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.graphs = {"forward": [], "backward": []}
+        self.backend = aot_autograd(fw_compiler=self._keep("forward"), bw_compiler=self._keep("backward"))
+
+    def _keep(self, which):
+        def compiler(gm, example_inputs):
+            from functorch.compile import make_boxed_func
+
+            self.graphs[which].append(gm)
+            return make_boxed_func(gm)
+
+        return compiler
+
+    def ops(self, which):
+        return [str(n.target) for gm in self.graphs[which] for n in gm.graph.nodes if n.op == "call_function"]
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_compiled_model_has_one_graph_and_matches_eager(recompute, dynamo):
+    model = Model(recompute)
+    args = tensors(Hq=4, Hkv=2, Sq=40, Sk=40, D=8, dtype=torch.float32)
+    explained = torch._dynamo.explain(model)(*args)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    recorder = GraphRecorder()
+    compiled = torch.compile(model, backend=recorder.backend, fullgraph=True)
+    got, want = outputs_and_grads(compiled, model, args), outputs_and_grads(model, model, args)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    forward, backward = recorder.ops("forward"), recorder.ops("backward")
+    assert forward.count("cusparseattn.attention_forward.default") == 3
+    assert backward.count("cusparseattn.attention_backward.default") == 3
+    # recompute: the backward runs the forward of the two attentions that asked for it again.
+    assert backward.count("cusparseattn.attention_forward.default") == (2 if recompute else 0)
+
+
+def test_inductor_compiles_the_operators(dynamo):
+    module = ca_torch.SparseAttention(patterns.causal(block=16), scale=0.3)
+    args = tensors(Hq=4, Hkv=2, Sq=30, Sk=30, D=8, dtype=torch.float32)
+    compiled = torch.compile(lambda q, k, v: module(q * 2, k, v).tanh(), fullgraph=True)
+    got = outputs_and_grads(compiled, module, args)
+    want = outputs_and_grads(lambda q, k, v: module(q * 2, k, v).tanh(), module, args)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_compiling_with_a_new_layout_of_the_same_structure(dynamo):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(lambda q, k, v, lay: ca_torch.attention(q, k, v, lay), backend=counter, fullgraph=True)
+    args = tensors(Sq=40, Sk=48)
+    first, second = sparse_layout(), sparse_layout()
+    for lay, compiles in ((first, 1), (first, 1), (second, 2)):
+        got = fn(*args, lay)
+        torch.testing.assert_close(got, ca_torch.attention(*args, lay), rtol=0, atol=0)
+        assert counter.frame_count == compiles  # the same layout object: no recompilation
+
+
+def test_compiled_dynamic_lengths_scales_and_lse(dynamo):
+    pattern = patterns.local(window=16, block=16)
+
+    def fn(q, k, v, scale):
+        out, lse = ca_torch.attention(q, k, v, pattern, scale=scale, return_lse=True, recompute=True)
+        return out, lse
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
+    for seq, scale in ((40, 0.3), (56, 0.7), (56, 2)):
+        args = tensors(Hq=4, Hkv=2, Sq=seq, Sk=seq, D=8, dtype=torch.float32)
+        out, lse = compiled(*args, scale)
+        assert not lse.requires_grad
+        want_out, want_lse = fn(*(x.detach() for x in args), scale)
+        torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+        torch.testing.assert_close(lse, want_lse, rtol=0, atol=0)
+        out.sum().backward()
+
+
+def test_compiled_errors_are_the_eager_ones(dynamo):
+    compiled = torch.compile(lambda q, k, v, **kw: ca_torch.attention(q, k, v, **kw), backend="aot_eager")
+    q, k, v = tensors(Hq=3)
+    with pytest.raises(ValueError, match="k has 2 heads, and q's 3 heads are not a multiple of it"):
+        compiled(q, k, v)
+    q, k, v = tensors()
+    with pytest.raises(ValueError, match="scale must be finite"):
+        compiled(q, k, v, scale=float("inf"))
+    with pytest.raises(ValueError, match="backend 'cuda' cannot run the forward"):
+        compiled(q, k, v, backend="cuda")
+
+
 # ---- GPU ----------------------------------------------------------------------------------------------
+
+GPU_CASES = {
+    # (B, Hq, Hkv, Sq, Sk, D), memory order, layout(Sq, Sk)
+    "gqa_causal": ((2, 8, 2, 200, 200, 64), "bhsd", patterns.causal(block=64).layout),
+    "bshd_local": ((1, 4, 4, 160, 230, 128), "bshd", patterns.local(window=64, block=32).layout),
+    "mqa_rule_empty_rows": ((2, 2, 1, 40, 48, 64), "bshd", lambda sq, sk: sparse_layout(sq, sk, heads=2)),
+}
+
+
+@pytest.fixture
+def cuda_only(monkeypatch):
+    """Fail if the NumPy reference runs or warns of a fallback: the CUDA kernels must run every pass."""
+
+    def refuse(inputs):
+        raise AssertionError(f"the NumPy reference ran for {inputs.describe()}; the CUDA kernels should have")
+
+    reference_backend = backends.BACKENDS["reference"]
+    monkeypatch.setattr(reference_backend, "forward", refuse)
+    monkeypatch.setattr(reference_backend, "backward", refuse)
+    monkeypatch.setattr(backends, "_warned", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        yield
 
 
 @pytest.mark.gpu
-def test_cuda_forward_with_reference_backward_fallback(monkeypatch):
-    from cusparseattn import backends
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_cuda_forward_and_backward_match_the_reference(case, dtype, cuda_only):
+    sizes, order, make_layout = GPU_CASES[case]
+    layout = make_layout(*sizes[3:5])
+    rng = np.random.default_rng(5)
+    host = random_qkv(rng, *sizes, np_dtype(dtype), layout=order)
+    dout = rng.standard_normal(host[0].shape).astype(host[0].dtype)
+    q, k, v = (to_device(x).requires_grad_() for x in host)
+    if order == "bshd":
+        assert q.stride(1) < q.stride(2)
+    out, lse = ca_torch.attention(q, k, v, layout, return_lse=True)
+    out.backward(to_device(dout))
+    assert out.device == q.device and lse.dtype == torch.float32
+    assert [t.grad.dtype for t in (q, k, v)] == [q.dtype] * 3
+    (out64, lse64), (out_low, lse_low) = forward_refs(*host, layout)
+    check_close("out", to_host(out), out64, out_low, dtype=dtype)
+    check_close("lse", to_host(lse), lse64, lse_low, dtype="float32")
+    ref64, low = backward_refs(dout, *host, layout)
+    for name, t, want, want_low in zip(("dq", "dk", "dv"), (q, k, v), ref64, low, strict=True):
+        check_close(name, to_host(t.grad), want, want_low, dtype=dtype)
 
-    monkeypatch.setattr(backends, "_warned", set())
-    q, k, v = (t.detach().to("cuda", torch.float16).requires_grad_() for t in tensors(Sq=128, Sk=128, D=64))
-    with pytest.warns(RuntimeWarning, match="no CUDA backward kernel yet"):
-        out = ca_torch.attention(q, k, v, causal=True)
-        out.float().sum().backward()
-    assert out.device == q.device and q.grad.device == q.device and q.grad.dtype == torch.float16
-    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ca_torch.attention(*ref, causal=True).sum().backward()
-    for got, want in zip((q.grad, k.grad, v.grad), (t.grad for t in ref), strict=True):
-        torch.testing.assert_close(got.double().cpu(), want.cpu(), atol=2e-2, rtol=2e-2)
+
+@pytest.mark.gpu
+def test_cuda_compiled_module_matches_eager(dynamo, cuda_only):
+    module = ca_torch.SparseAttention(patterns.local(window=128, block=64), causal=True)
+    rng = np.random.default_rng(6)
+    args = [
+        to_device(x).requires_grad_() for x in random_qkv(rng, 2, 8, 2, 300, 300, 64, np_dtype("bfloat16"))
+    ]
+    weight = torch.randn(64, device="cuda")
+
+    def run(fn):
+        for t in args:
+            t.grad = None
+        out = fn(*args)
+        (out.float() * weight).sum().backward()
+        return [out.detach(), *(t.grad for t in args)]
+
+    want = run(module)
+    got = run(torch.compile(module, fullgraph=True))
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.gpu
+def test_cuda_backward_is_deterministic(cuda_only):
+    g = torch.Generator(device="cuda").manual_seed(7)
+    shapes = [(2, 16, 512, 128), (2, 2, 512, 128), (2, 2, 512, 128)]
+    q, k, v = (
+        torch.randn(s, generator=g, device="cuda", dtype=torch.float16).requires_grad_() for s in shapes
+    )
+    dout = torch.randn(q.shape, generator=g, device="cuda", dtype=torch.float16)
+    runs = []
+    for _ in range(2):
+        for t in (q, k, v):
+            t.grad = None
+        ca_torch.attention(q, k, v, causal=True, backend="cuda").backward(dout)
+        runs.append([t.grad.clone() for t in (q, k, v)])
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)

@@ -1,0 +1,101 @@
+"""The scripts outside the package run on a CPU: the training example learns with the NumPy reference, and the
+benchmark's command line answers without a GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(f"_example_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def train_tiny():
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    # Tiny matrices: one thread, or torch's and NumPy's thread pools (the reference) fight over the cores.
+    torch.set_num_threads(1)
+    yield _load(ROOT / "examples" / "train_tiny.py")
+    torch.set_num_threads(before)
+
+
+def test_train_tiny_learns_on_cpu(train_tiny, tmp_path, capsys):
+    result = train_tiny.main(["--device", "cpu", "--steps", "30", "--out", str(tmp_path)])
+    assert result["device"] == "cpu" and result["config"]["window"] < result["config"]["seq"]
+    for kind in ("sparse", "dense"):
+        losses = result[kind]
+        assert len(losses) == 30 and all(math.isfinite(x) for x in losses), losses
+        # From about ln(16) = 2.8 at the start; the copy is found within some 20 steps.
+        assert sum(losses[-4:]) / 4 < 0.7 * losses[0], losses
+    # Same seed, same weights, same batch; the window hides little at the start, when attention is uniform.
+    assert result["sparse"][0] == pytest.approx(result["dense"][0], rel=0.01)
+    assert json.loads((tmp_path / "train_tiny.json").read_text())["sparse"] == result["sparse"]
+    assert "final loss" in capsys.readouterr().out
+
+
+def test_train_tiny_full_window_matches_dense(train_tiny):
+    # A window as long as the sequence is plain causal attention: the two runs must coincide step by step.
+    result = train_tiny.main(["--device", "cpu", "--steps", "6", "--window", "64"])
+    assert result["config"]["window"] == result["config"]["seq"]
+    assert result["sparse"] == pytest.approx(result["dense"], rel=1e-4)
+    assert result["sparse"][0] == pytest.approx(result["dense"][0], rel=1e-6)
+
+
+def test_train_tiny_batches_repeat_with_their_seed(train_tiny):
+    cfg = train_tiny.CPU
+    first, again = train_tiny.batches(cfg, "cpu"), train_tiny.batches(cfg, "cpu")
+    for _ in range(2):
+        (x1, y1), (x2, y2) = next(first), next(again)
+        assert (x1 == x2).all() and (y1 == y2).all()
+    x, y = next(first)
+    assert x.shape == y.shape == (cfg.batch, cfg.seq) and (x[:, 1:] == y[:, :-1]).all()
+    # Most tokens copy the one a period back; a fraction `mutation` is drawn afresh.
+    copies = (x[:, cfg.period :] == x[:, : -cfg.period]).float().mean().item()
+    assert abs(copies - (1 - cfg.mutation + cfg.mutation / cfg.vocab)) < 0.05
+    assert 0 < train_tiny.loss_floor(cfg) < math.log(cfg.vocab)
+
+
+def test_bench_help_runs_without_gpu():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "--cases" in done.stdout and "train-memory" in done.stdout
+
+
+def test_bench_options_and_table(capsys):
+    bench = _load(ROOT / "benchmarks" / "bench.py")
+    with pytest.raises(SystemExit):
+        bench.main(["--cases", "dense,nonsense"])
+    rows = [
+        {
+            "case": "causal",
+            "S": 4096,
+            "D": 128,
+            "density": 0.516,
+            "fwd": {"cusparseattn": 300.0, "flex": 350.0},
+            "fwdbwd": {"flex": 334.0},
+        }
+    ]
+    assert bench._ratio(rows[0], "fwd") == pytest.approx(300 / 350)
+    assert math.isnan(bench._ratio(rows[0], "fwdbwd"))
+    bench.summary(rows)
+    line = capsys.readouterr().out.splitlines()[-1].split()
+    assert line[:3] == ["causal", "4096", "128"] and line[8] == "0.86" and line[-1] == "-"
