@@ -206,6 +206,16 @@ class CupyTensor(Tensor):
             return CupyTensor(cupy.asarray(arr), self.name)
 
 
+def torch_dtype_name(dtype) -> str:
+    """``torch.bfloat16`` -> ``'bfloat16'``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_device(device) -> Device:
+    """A ``torch.device`` as ``('cpu', 0)`` or ``('cuda', index)``."""
+    return CPU if device.type == "cpu" else (device.type, device.index or 0)
+
+
 class TorchTensor(Tensor):
     framework = "torch"
 
@@ -226,12 +236,11 @@ class TorchTensor(Tensor):
 
     @property
     def dtype(self):
-        return str(self.native.dtype).removeprefix("torch.")
+        return torch_dtype_name(self.native.dtype)
 
     @property
     def device(self):
-        dev = self.native.device
-        return CPU if dev.type == "cpu" else (dev.type, dev.index or 0)
+        return torch_device(self.native.device)
 
     @property
     def data_ptr(self):
@@ -367,37 +376,15 @@ class JaxTensor(Tensor):
         return JaxTensor(jax.device_put(arr, self._jax_device), self.name)
 
 
-class XlaBuffer(Tensor):
-    """One operand or result of an XLA call on a GPU, as a ``jax.experimental.buffer_callback`` hands it over:
-    XLA's device memory, seen through its ``__cuda_array_interface__``, and XLA's stream to launch on.
+class FixedTensor(Tensor):
+    """A holder whose shape, strides (in elements), dtype name and device are given once, with its memory and
+    stream where it has them: the operands of a call that cusparseattn sees by description, not as arrays.
+    Without ``data_ptr`` or ``stream`` reading them raises, as for any holder that has none."""
 
-    ``dtype`` is the name of the JAX array's dtype: the interface's type string cannot tell bfloat16 from
-    other 2-byte types. Strides the interface leaves out (None) mean a dense row-major buffer, as XLA's are.
-
-    >>> class Buffer:  # what buffer_callback passes on a GPU
-    ...     __cuda_array_interface__ = {"shape": (1, 2, 3, 8), "typestr": "<V2", "data": (4096, True)}
-    ...     def __dlpack_device__(self):
-    ...         return (2, 1)  # (kDLCUDA, device ordinal)
-    >>> b = XlaBuffer(Buffer(), "q", "bfloat16", stream=7)
-    >>> b.shape, b.strides, b.dtype, b.device, b.data_ptr, b.stream
-    ((1, 2, 3, 8), (48, 24, 8, 1), 'bfloat16', ('cuda', 1), 4096, 7)
-    """
-
-    framework = "jax"
-
-    def __init__(self, native, name: str, dtype: str, stream: int):
+    def __init__(self, native, name, shape, strides, dtype, device, data_ptr=None, stream=None):
         super().__init__(native, name)
-        interface = native.__cuda_array_interface__
-        self._shape = tuple(interface["shape"])
-        strides = interface.get("strides")
-        itemsize = DTYPES[dtype].itemsize
-        self._strides = (
-            _contiguous_strides(self._shape) if strides is None else tuple(s // itemsize for s in strides)
-        )
-        self._dtype = dtype
-        self._data_ptr = interface["data"][0]
-        self._device = ("cuda", native.__dlpack_device__()[1])
-        self._stream = stream
+        self._shape, self._strides, self._dtype, self._device = tuple(shape), tuple(strides), dtype, device
+        self._data_ptr, self._stream = data_ptr, stream
 
     @property
     def shape(self):
@@ -417,11 +404,39 @@ class XlaBuffer(Tensor):
 
     @property
     def data_ptr(self):
-        return self._data_ptr
+        return super().data_ptr if self._data_ptr is None else self._data_ptr
 
     @property
     def stream(self):
-        return self._stream
+        return super().stream if self._stream is None else self._stream
+
+
+class XlaBuffer(FixedTensor):
+    """One operand or result of an XLA call on a GPU, as a ``jax.experimental.buffer_callback`` hands it over:
+    XLA's device memory, seen through its ``__cuda_array_interface__``, and XLA's stream to launch on.
+
+    ``dtype`` is the name of the JAX array's dtype: the interface's type string cannot tell bfloat16 from
+    other 2-byte types. Strides the interface leaves out (None) mean a dense row-major buffer, as XLA's are.
+
+    >>> class Buffer:  # what buffer_callback passes on a GPU
+    ...     __cuda_array_interface__ = {"shape": (1, 2, 3, 8), "typestr": "<V2", "data": (4096, True)}
+    ...     def __dlpack_device__(self):
+    ...         return (2, 1)  # (kDLCUDA, device ordinal)
+    >>> b = XlaBuffer(Buffer(), "q", "bfloat16", stream=7)
+    >>> b.shape, b.strides, b.dtype, b.device, b.data_ptr, b.stream
+    ((1, 2, 3, 8), (48, 24, 8, 1), 'bfloat16', ('cuda', 1), 4096, 7)
+    """
+
+    framework = "jax"
+
+    def __init__(self, native, name: str, dtype: str, stream: int):
+        interface = native.__cuda_array_interface__
+        shape = tuple(interface["shape"])
+        strides = interface.get("strides")
+        itemsize = DTYPES[dtype].itemsize
+        strides = _contiguous_strides(shape) if strides is None else tuple(s // itemsize for s in strides)
+        device = ("cuda", native.__dlpack_device__()[1])
+        super().__init__(native, name, shape, strides, dtype, device, interface["data"][0], stream)
 
 
 _HOLDERS: dict[str, type[Tensor]] = {

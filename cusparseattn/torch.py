@@ -35,7 +35,7 @@ import weakref
 import torch
 
 from . import api, backends
-from .arrays import CPU, Tensor, wrap
+from .arrays import FixedTensor, torch_device, torch_dtype_name, wrap
 from .backends import Inputs
 from .layout import BlockLayout
 
@@ -82,7 +82,7 @@ class _LayoutRegistry:
 _LAYOUTS = _LayoutRegistry()
 
 
-class _Described(Tensor):
+class _Described(FixedTensor):
     """A torch tensor known by its metadata alone, which is all validation and backend choice read.
 
     Like a traced JAX array it has no memory to check (alignment): the operator checks the real tensors.
@@ -92,26 +92,7 @@ class _Described(Tensor):
     traced = True
 
     def __init__(self, name, shape, strides, dtype, device):
-        super().__init__(None, name)
-        self._shape, self._strides = tuple(shape), tuple(strides)
-        self._dtype = str(dtype).removeprefix("torch.")
-        self._device = CPU if device.type == "cpu" else (device.type, device.index or 0)
-
-    @property
-    def shape(self):
-        return self._shape
-
-    @property
-    def strides(self):
-        return self._strides
-
-    @property
-    def dtype(self):
-        return self._dtype
-
-    @property
-    def device(self):
-        return self._device
+        super().__init__(None, name, shape, strides, torch_dtype_name(dtype), torch_device(device))
 
 
 def _describe(t):

@@ -48,10 +48,9 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         const int line = layout_line(p, b, hk * p.group + j) * p.tiles_k + tile_k;
         total += p.col_ptr[line + 1] - p.col_ptr[line];
     }
-    if (total > 0) {
-        load_tile_async<TILE_N, THREADS>(k_smem, p.k + b * p.k_sb + hk * p.k_sh, p.k_ss, k_tile0, p.seq_k);
-        load_tile_async<TILE_N, THREADS>(v_smem, p.v + b * p.v_sb + hk * p.v_sh, p.v_ss, k_tile0, p.seq_k);
-    }
+    if (total > 0)
+        load_kv_async<TILE_N, THREADS>(k_smem, p.k + b * p.k_sb + hk * p.k_sh, p.v + b * p.v_sb + hk * p.v_sh, p,
+                                       k_tile0);
 
     float dk[DW / 8][4], dv[DW / 8][4];
     zero(dk);

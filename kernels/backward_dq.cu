@@ -86,10 +86,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     pipeline2(
         count,
         [&](int stage, int i) {
-            const int k0 = p.entries[begin + i].x * TILE_N;
-            elem_t* ks = kv_smem + stage * 2 * KV_ELEMS;
-            load_tile_async<TILE_N, THREADS>(ks, k_head, p.k_ss, k0, p.seq_k);
-            load_tile_async<TILE_N, THREADS>(ks + KV_ELEMS, v_head, p.v_ss, k0, p.seq_k);
+            load_kv_async<TILE_N, THREADS>(kv_smem + stage * 2 * KV_ELEMS, k_head, v_head, p,
+                                           p.entries[begin + i].x * TILE_N);
         },
         [&](int stage, int i) {
             const int2 e = p.entries[begin + i];

@@ -115,6 +115,14 @@ __device__ __forceinline__ void load_tile_async(elem_t* smem, const elem_t* g, l
     }
 }
 
+// Copies the K and V rows [k0, k0 + ROWS) of one head into shared memory: K at `kv`, V right after it.
+template <int ROWS, int THREADS>
+__device__ __forceinline__ void load_kv_async(elem_t* kv, const elem_t* k_head, const elem_t* v_head,
+                                              const Params& p, int k0) {
+    load_tile_async<ROWS, THREADS>(kv, k_head, p.k_ss, k0, p.seq_k);
+    load_tile_async<ROWS, THREADS>(kv + ROWS * SMEM_ROW, v_head, p.v_ss, k0, p.seq_k);
+}
+
 // Copies ROWS floats of one head's row vector (lse, delta) starting at row0; entries past `rows_valid` are 0.
 template <int ROWS, int THREADS>
 __device__ __forceinline__ void load_vec_async(float* smem, const float* g, int row0, int rows_valid) {
