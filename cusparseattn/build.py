@@ -56,6 +56,9 @@ TILES = {
     },
 }
 KERNELS = tuple(TILES)
+# With a score mod, the dQ pass keeps its derivative's arithmetic beside the scores and dO V^T: key tiles of
+# 128 then spill at head dim 64, so it takes the next tiles.
+SCORE_MAX_TILE_N = {"backward_dq": 64}
 
 
 def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int:
@@ -69,15 +72,19 @@ def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int
     return row * (2 * tn + 2 * 2 * tm) + 2 * 2 * tm * 4  # K and V, two stages of Q, dO, lse and delta
 
 
-def tile_config(kernel: str, head_dim: int, max_shared: int = 227 * 1024) -> tuple[int, int, int]:
-    """The preferred tiles of `kernel` for this head dim whose shared memory fits `max_shared` bytes."""
+def tile_config(
+    kernel: str, head_dim: int, max_shared: int = 227 * 1024, score: bool = False
+) -> tuple[int, int, int]:
+    """The preferred tiles of `kernel` for this head dim whose shared memory fits `max_shared` bytes (and,
+    with a score mod, whose key tile it allows)."""
     if kernel not in TILES:
         raise ValueError(f"kernel must be one of {sorted(TILES)}, got {kernel!r}")
     padded = -(-head_dim // 16) * 16
+    max_n = SCORE_MAX_TILE_N.get(kernel, 1 << 30) if score else 1 << 30
     for limit, candidates in sorted(TILES[kernel].items()):
         if padded <= limit:
             for tiles in candidates:
-                if shared_bytes(kernel, head_dim, tiles) <= max_shared:
+                if shared_bytes(kernel, head_dim, tiles) <= max_shared and tiles[1] <= max_n:
                     return tiles
             raise ValueError(
                 f"no {kernel} tiles for head dim {head_dim} fit {max_shared} bytes of shared memory per block"
@@ -108,6 +115,8 @@ PARAMS = np.dtype(
         ("row_ptr", np.uint64), ("entries", np.uint64), ("col_ptr", np.uint64), ("col_entries", np.uint64),
         ("sub_bits", np.uint64), ("bit_mask", np.uint64),
         ("rule_p", np.int64, (8,)), ("rule_a", np.uint64, (4,)),
+        ("q_origin", np.int64), ("k_origin", np.int64),
+        ("score_ip", np.int64, (8,)), ("score_fp", np.float32, (8,)), ("score_a", np.uint64, (4,)),
     ],
     align=True,
 )  # fmt: skip
@@ -123,6 +132,7 @@ class KernelSpec:
     tiles: tuple[int, int, int]  # TILE_M, TILE_N, NWARPS
     rule_mode: str = "none"
     rule_expr: str | None = None
+    score: tuple[str, str] | None = None  # a score mod's C expression and its derivative
 
     @classmethod
     def make(
@@ -134,11 +144,12 @@ class KernelSpec:
         rule_expr: str | None = None,
         tiles: tuple[int, int, int] | None = None,
         max_shared: int = 227 * 1024,
+        score: tuple[str, str] | None = None,
     ) -> KernelSpec:
         """The spec for these inputs, with the table's tiles for a device with `max_shared` bytes of shared
         memory per block (or `tiles`, for tuning)."""
-        tiles = tiles or tile_config(kernel, head_dim, max_shared)
-        return cls(kernel, dtype, head_dim, tiles, rule_mode, rule_expr)
+        tiles = tiles or tile_config(kernel, head_dim, max_shared, score is not None)
+        return cls(kernel, dtype, head_dim, tiles, rule_mode, rule_expr, score)
 
     def __post_init__(self):
         if self.kernel not in TILES:
@@ -149,6 +160,10 @@ class KernelSpec:
             raise ValueError(f"rule_mode must be one of {sorted(RULE_MODES)}, got {self.rule_mode!r}")
         if (self.rule_mode == "expr") != (self.rule_expr is not None):
             raise ValueError("rule_expr is given exactly when rule_mode is 'expr'")
+        if self.score is not None and (
+            len(self.score) != 2 or not all(isinstance(x, str) for x in self.score)
+        ):
+            raise ValueError(f"score must be None or (C expression, its derivative), got {self.score!r}")
 
     @property
     def padded_head_dim(self) -> int:
@@ -161,6 +176,8 @@ class KernelSpec:
         rule = self.rule_mode
         if self.rule_expr is not None:
             rule += hashlib.sha1(self.rule_expr.encode()).hexdigest()[:8]
+        if self.score is not None:
+            rule += "_score" + hashlib.sha1("\n".join(self.score).encode()).hexdigest()[:8]
         return f"{self.kernel}_{dt}_d{self.head_dim}_q{tm}k{tn}w{nw}_{rule}"
 
     @property
@@ -188,6 +205,13 @@ class KernelSpec:
             lines += [f"#define P{i} (p.rule_p[{i}])" for i in range(8)]
             lines += [f"#define A{i} (p.rule_a[{i}])" for i in range(4)]
             lines.append(f"#define CSA_RULE(b, h, q, k) ({self.rule_expr})")
+        lines.append(f"#define SCORE_MOD {int(self.score is not None)}")
+        if self.score is not None:
+            lines += [f"#define SI{i} (p.score_ip[{i}])" for i in range(8)]
+            lines += [f"#define SF{i} (p.score_fp[{i}])" for i in range(8)]
+            lines += [f"#define SA{i} (p.score_a[{i}])" for i in range(4)]
+            lines.append(f"#define CSA_SCORE(s, b, h, q, k) ({self.score[0]})")
+            lines.append(f"#define CSA_SCORE_GRAD(s, b, h, q, k) ({self.score[1]})")
         return "\n".join(lines) + "\n"
 
     def source(self) -> str:
@@ -254,7 +278,17 @@ def all_specs() -> list[KernelSpec]:
             specs.append(KernelSpec.make(kernel, "float16", d))
         for d in (128, 256):
             specs += [KernelSpec.make(kernel, "bfloat16", d, *rules[2], tiles=t) for t in table[d][1:]]
+        specs += [KernelSpec.make(kernel, "bfloat16", d, *rules[2], score=SAMPLE_SCORE) for d in (64, 128)]
     return specs
+
+
+# A score mod of every kind of term a traced one has (a float parameter, a captured table, tanh): ALiBi
+# with soft-capping, for the compile check.
+SAMPLE_SCORE = (
+    "SF0 * tanhf((s + ((const float*)SA0)[h] * (float)(k - q)) / SF0)",
+    "1.0f - tanhf((s + ((const float*)SA0)[h] * (float)(k - q)) / SF0)"
+    " * tanhf((s + ((const float*)SA0)[h] * (float)(k - q)) / SF0)",
+)
 
 
 def _nvrtc_library():

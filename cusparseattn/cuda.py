@@ -122,18 +122,51 @@ class DeviceTables:
             base[name] = getattr(p, name)
         base["rule_p"][: len(params)] = params
         base["rule_a"][: len(arrays)] = [a.data.ptr for a in self.rule_arrays]
+        base["q_origin"], base["k_origin"] = layout.origin
         self.params = base
 
 
+def _per_object(cache: dict, obj, key, make):
+    """``cache[id(obj)][key]``, made on first use; the entry goes when `obj` does."""
+    entries = cache.get(id(obj))
+    if entries is None:
+        entries = cache[id(obj)] = {}
+        weakref.finalize(obj, cache.pop, id(obj), None)
+    if key not in entries:
+        entries[key] = make()
+    return entries[key]
+
+
 def device_tables(layout: BlockLayout, tile_m: int, tile_n: int, device: int) -> DeviceTables:
-    per_layout = _tables.get(id(layout))
-    if per_layout is None:
-        per_layout = _tables[id(layout)] = {}
-        weakref.finalize(layout, _tables.pop, id(layout), None)
-    key = (tile_m, tile_n, device)
-    if key not in per_layout:
-        per_layout[key] = DeviceTables(layout, tile_m, tile_n)
-    return per_layout[key]
+    return _per_object(
+        _tables, layout, (tile_m, tile_n, device), lambda: DeviceTables(layout, tile_m, tile_n)
+    )
+
+
+# id(score mod) -> {device -> ScoreTables}
+_scores: dict[int, dict] = {}
+
+
+class ScoreTables:
+    """A score mod's parameters and captured arrays, resident on one device: the Params fields it sets."""
+
+    def __init__(self, score_mod):
+        import cupy
+
+        self.spec = (score_mod.c_expr, score_mod.c_grad)
+        self.arrays = [cupy.asarray(np.ascontiguousarray(a)) for a in score_mod.arrays]
+        ip, fp = score_mod.int_params, score_mod.float_params
+        self.fields = {
+            "score_ip": np.array(ip + (0,) * (8 - len(ip)), np.int64),
+            "score_fp": np.array(fp + (0.0,) * (8 - len(fp)), np.float32),
+            "score_a": np.array([a.data.ptr for a in self.arrays] + [0] * (4 - len(self.arrays)), np.uint64),
+        }
+
+
+def score_tables(score_mod, device: int) -> ScoreTables | None:
+    if score_mod is None:
+        return None
+    return _per_object(_scores, score_mod, device, lambda: ScoreTables(score_mod))
 
 
 class _StreamHandle:
@@ -171,14 +204,20 @@ _FIELDS = {
 }  # fmt: skip
 
 
-def _launch(kernel: str, grid, tables: DeviceTables, scale: float, tiles, **arrays):
+def _launch(
+    kernel: str, grid, tables: DeviceTables, score: ScoreTables | None, scale: float, tiles, **arrays
+):
     """Packs the parameters of one pass over these holders (named as `_FIELDS`) and launches it on q's
     device and stream."""
     q, k = arrays["q"], arrays["k"]
     device = q.device[1]
-    spec = build.KernelSpec(kernel, q.dtype, q.shape[3], tiles, tables.plan.rule_mode, tables.rule_expr)
+    spec = build.KernelSpec(
+        kernel, q.dtype, q.shape[3], tiles, tables.plan.rule_mode, tables.rule_expr, score and score.spec
+    )
     function = build.load(spec, device)
     params = tables.params.copy()
+    for name, value in score.fields.items() if score else ():
+        params[name] = value
     for name, holder in arrays.items():
         pointer, prefix, ndim = _FIELDS[name]
         params[pointer] = holder.data_ptr
@@ -190,29 +229,42 @@ def _launch(kernel: str, grid, tables: DeviceTables, scale: float, tiles, **arra
     function(grid, (spec.threads, 1, 1), (params[()],), shared_mem=spec.shared_bytes)
 
 
-def _tiled_tables(kernel: str, layout: BlockLayout, head_dim: int, device: int, tiles=None):
-    tiles = tiles or build.tile_config(kernel, head_dim, max_shared(device))
+def _tiled_tables(kernel: str, layout: BlockLayout, head_dim: int, device: int, score, tiles=None):
+    tiles = tiles or build.tile_config(kernel, head_dim, max_shared(device), score is not None)
     return device_tables(layout, tiles[0], tiles[1], device), tiles
 
 
 def forward(
-    q, k, v, out, lse, layout: BlockLayout, scale: float, *, tiles: tuple[int, int, int] | None = None
+    q,
+    k,
+    v,
+    out,
+    lse,
+    layout: BlockLayout,
+    scale: float,
+    *,
+    score_mod=None,
+    tiles: tuple[int, int, int] | None = None,
 ):
     """Launches the forward kernel: writes `out` [B, Hq, Sq, D] and `lse` [B, Hq, Sq] (float32).
 
-    `tiles` (TILE_M, TILE_N, NWARPS) overrides the tile table, for tuning.
+    `score_mod` is a traced `cusparseattn.trace.ScoreMod` or None; `tiles` (TILE_M, TILE_N, NWARPS)
+    overrides the tile table, for tuning.
     """
     import cupy
 
     batch, heads_q = q.shape[:2]
     device = q.device[1]
     with cupy.cuda.Device(device), _stream(q.stream):
-        tables, tiles = _tiled_tables("forward", layout, q.shape[3], device, tiles)
+        score = score_tables(score_mod, device)
+        tables, tiles = _tiled_tables("forward", layout, q.shape[3], device, score, tiles)
         grid = (tables.plan.tiles_q, heads_q, batch)
-        _launch("forward", grid, tables, scale, tiles, q=q, k=k, v=v, out=out, lse=lse)
+        _launch("forward", grid, tables, score, scale, tiles, q=q, k=k, v=v, out=out, lse=lse)
 
 
-def backward(dout, q, k, v, out, lse, dq, dk, dv, delta, layout: BlockLayout, scale: float):
+def backward(
+    dout, q, k, v, out, lse, dq, dk, dv, delta, layout: BlockLayout, scale: float, *, score_mod=None
+):
     """Launches the backward kernels: writes `dq` [B, Hq, Sq, D], `dk` and `dv` [B, Hkv, Sk, D], and `delta`
     [B, Hq, Sq] (float32 scratch: rowsum(dout * out), from the first kernel to the second).
 
@@ -225,10 +277,11 @@ def backward(dout, q, k, v, out, lse, dq, dk, dv, delta, layout: BlockLayout, sc
     device = q.device[1]
     arrays = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, delta=delta)
     with cupy.cuda.Device(device), _stream(q.stream):
-        tables, tiles = _tiled_tables("backward_dq", layout, head_dim, device)
+        score = score_tables(score_mod, device)
+        tables, tiles = _tiled_tables("backward_dq", layout, head_dim, device, score)
         grid = (tables.plan.tiles_q, heads_q, batch)
-        _launch("backward_dq", grid, tables, scale, tiles, dq=dq, **arrays)
-        tables, tiles = _tiled_tables("backward_dkdv", layout, head_dim, device)
+        _launch("backward_dq", grid, tables, score, scale, tiles, dq=dq, **arrays)
+        tables, tiles = _tiled_tables("backward_dkdv", layout, head_dim, device, score)
         splits = 2 if head_dim > 128 else 1  # the dK/dV kernel's SPLITS: halves of the head dim past 128
         grid = (tables.plan.tiles_k, heads_k * splits, batch)
-        _launch("backward_dkdv", grid, tables, scale, tiles, dk=dk, dv=dv, **arrays)
+        _launch("backward_dkdv", grid, tables, score, scale, tiles, dk=dk, dv=dv, **arrays)

@@ -114,6 +114,7 @@ class BlockLayout:
         seq_k: int | None = None,
         partial=None,
         rule: TokenRule | None = None,
+        origin: tuple[int, int] = (0, 0),
     ):
         bq, bk = (block_size, block_size) if np.isscalar(block_size) else tuple(block_size)
         self.block_size = (_check_block("block_size (query)", bq), _check_block("block_size (key)", bk))
@@ -138,6 +139,11 @@ class BlockLayout:
         partial = np.ascontiguousarray(partial)
         partial.setflags(write=False)
         self.blocks, self.partial, self.rule = blocks, partial, rule
+        if len(origin) != 2 or any(not isinstance(o, (int, np.integer)) or o < 0 for o in origin):
+            raise ValueError(f"origin must be two non-negative integers (query, key), got {origin!r}")
+        # Where this layout sits in a longer sequence (a window of it, `window`): score mods see global
+        # positions. The rule has been shifted already, so the token mask ignores it.
+        self.origin = (int(origin[0]), int(origin[1]))
 
     # ---- shape and counts ----------------------------------------------------------------------------------
     @property
@@ -246,7 +252,12 @@ class BlockLayout:
         """
         if not isinstance(other, BlockLayout):
             return NotImplemented
-        if (self.seq_q, self.seq_k, self.block_size) != (other.seq_q, other.seq_k, other.block_size):
+        if (self.seq_q, self.seq_k, self.block_size, self.origin) != (
+            other.seq_q,
+            other.seq_k,
+            other.block_size,
+            other.origin,
+        ):
             return False
         try:
             shape = _broadcast_shape(self, other)
@@ -286,6 +297,52 @@ class BlockLayout:
             seq_k=self.seq_k,
             partial=self.partial[rows][:, cols],
             rule=rule,
+            origin=self.origin,
+        )
+        out._exact_rule = self._exact_rule
+        return out
+
+    def window(self, q_start: int, q_stop: int, k_start: int, k_stop: int) -> BlockLayout:
+        """The layout of queries ``[q_start, q_stop)`` against keys ``[k_start, k_stop)`` (token positions),
+        for a kernel call on those slices of q and k/v (context parallelism runs one per pair of shards).
+
+        Starts are multiples of the block size, stops too or the sequence's end. The rule and score mods keep
+        seeing the positions of the whole sequence (``origin`` says where the window starts).
+
+        >>> import numpy as np
+        >>> lay = BlockLayout(np.tril(np.ones((4, 4), bool)), block_size=16, seq_q=64)
+        >>> w = lay.window(32, 64, 0, 32)
+        >>> w.nnz, w.origin, lay.window(0, 32, 32, 64).nnz
+        (4, (32, 0), 0)
+        """
+        bq, bk = self.block_size
+        spans = (("q", q_start, q_stop, self.seq_q, bq), ("k", k_start, k_stop, self.seq_k, bk))
+        for axis, start, stop, seq, block in spans:
+            for name, value in ((f"{axis}_start", start), (f"{axis}_stop", stop)):
+                if not isinstance(value, (int, np.integer)):
+                    raise TypeError(f"{name} must be an integer, got {value!r}")
+            if not 0 <= start < stop <= seq:
+                raise ValueError(
+                    f"{axis}_start, {axis}_stop must satisfy 0 <= start < stop <= {seq}, got {start}, {stop}"
+                )
+            if start % block or (stop % block and stop != seq):
+                raise ValueError(
+                    f"{axis}_start and {axis}_stop must be multiples of the block size {block} "
+                    f"(or the stop the sequence end {seq}), got {start}, {stop}"
+                )
+        rows = slice(q_start // bq, -(-q_stop // bq))
+        cols = slice(k_start // bk, -(-k_stop // bk))
+        rule = self.rule
+        if rule is not None and (q_start or k_start):
+            rule = _shifted_rule(rule, dq=q_start, dk=k_start)
+        out = BlockLayout(
+            self.blocks[:, :, rows, cols],
+            block_size=self.block_size,
+            seq_q=q_stop - q_start,
+            seq_k=k_stop - k_start,
+            partial=self.partial[:, :, rows, cols],
+            rule=rule,
+            origin=(self.origin[0] + q_start, self.origin[1] + k_start),
         )
         out._exact_rule = self._exact_rule
         return out
@@ -481,7 +538,8 @@ class BlockLayout:
         return (
             f"BlockLayout(batch={self.batch}, heads={self.heads}, seq_q={self.seq_q}, seq_k={self.seq_k}, "
             f"block_size={self.block_size}, blocks={self.num_blocks}, nnz={self.nnz}, "
-            f"partial={int(np.count_nonzero(self.partial))}, density={self.density:.4f}, rule={kinds})"
+            f"partial={int(np.count_nonzero(self.partial))}, density={self.density:.4f}, rule={kinds}"
+            + (f", origin={self.origin})" if self.origin != (0, 0) else ")")
         )
 
 
@@ -530,6 +588,8 @@ def _combine(a: BlockLayout, b, op: str) -> BlockLayout:
             f"seq_q={b.seq_q}, seq_k={b.seq_k}, block_size={b.block_size}; "
             "build both for the same lengths and block size (a Pattern's .layout(seq_q, seq_k))"
         )
+    if a.origin != b.origin:
+        raise ValueError(f"layouts at different origins cannot be combined: {a.origin} and {b.origin}")
     _broadcast_shape(a, b)
     if op == "|":
         blocks, full = a.blocks | b.blocks, a.full | b.full
@@ -537,7 +597,13 @@ def _combine(a: BlockLayout, b, op: str) -> BlockLayout:
         blocks, full = a.blocks & b.blocks, a.full & b.full
     rule, exact = _combined_rule(a, b, op)
     out = BlockLayout(
-        blocks, block_size=a.block_size, seq_q=a.seq_q, seq_k=a.seq_k, partial=blocks & ~full, rule=rule
+        blocks,
+        block_size=a.block_size,
+        seq_q=a.seq_q,
+        seq_k=a.seq_k,
+        partial=blocks & ~full,
+        rule=rule,
+        origin=a.origin,
     )
     out._exact_rule = exact
     return out
@@ -620,26 +686,31 @@ def _axis_index(name: str, i, n: int) -> int:
 
 
 class _Shifted:
-    """A rule function seen from a sub-layout: its batch and head 0 are the original's ``db`` and ``dh``."""
+    """A rule function seen from a sub-layout: its index 0 on each axis is the original's ``shifts``."""
 
-    def __init__(self, fn, db: int, dh: int):
-        self.fn, self.db, self.dh = fn, db, dh
+    def __init__(self, fn, shifts: tuple[int, int, int, int]):
+        self.fn, self.shifts = fn, shifts
 
     def __call__(self, b, h, q, k):
-        return self.fn(b + self.db, h + self.dh, q, k)
+        db, dh, dq, dk = self.shifts
+        return self.fn(b + db, h + dh, q + dq, k + dk)
 
 
-def _shifted_rule(rule: TokenRule, db: int, dh: int) -> TokenRule:
+def _shifted_rule(rule: TokenRule, db: int = 0, dh: int = 0, dq: int = 0, dk: int = 0) -> TokenRule:
+    """`rule` seen from a sub-layout whose batch, head, query and key 0 are the original's db, dh, dq, dk: the
+    C expression gains one parameter per nonzero shift (or, past the parameter slots, falls back to bits)."""
+    shifts = {"b": db, "h": dh, "q": dq, "k": dk}
     expr, params = rule.c_expr, list(rule.params)
-    if expr is not None and len(params) + (db != 0) + (dh != 0) > MAX_PARAMS:
+    if expr is not None and len(params) + sum(s != 0 for s in shifts.values()) > MAX_PARAMS:
         expr = None
-    for var, shift in (("b", db), ("h", dh)):
+    for var, shift in shifts.items():
         if expr is not None and shift:
             expr = re.sub(rf"\b{var}\b", f"({var} + P{len(params)})", expr)
             params.append(shift)
+    moved = ", ".join(f"{var}+{s}" for var, s in shifts.items() if s)
     return TokenRule(
-        f"{rule.name}[b+{db}, h+{dh}]",
-        _Shifted(rule.fn, db, dh),
+        f"{rule.name}[{moved}]",
+        _Shifted(rule.fn, (db, dh, dq, dk)),
         c_expr=expr,
         params=tuple(params) if expr is not None else (),
         arrays=rule.arrays if expr is not None else (),

@@ -25,6 +25,7 @@ torch.Size([1, 2, 64, 16])
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import math
 import numbers
@@ -35,7 +36,7 @@ import weakref
 import torch
 
 from . import api, backends
-from .arrays import FixedTensor, torch_device, torch_dtype_name, wrap
+from .arrays import FixedTensor, torch_device, torch_dtype_name
 from .backends import Inputs
 from .layout import BlockLayout
 
@@ -95,14 +96,34 @@ class _Described(FixedTensor):
         super().__init__(None, name, shape, strides, torch_dtype_name(dtype), torch_device(device))
 
 
+_BY_ID = "cusparseattn:object-id"
+
+
+def _by_reference(x):
+    """``x`` as an argument that `_plan` can take under ``torch.compile``: a plain constant as it is, any
+    other object (a layout, a pattern, a function) by its ``id``, which dynamo turns into a constant guarded
+    on the object's identity. Older dynamo (PyTorch 2.11) cannot pass the objects themselves as constants."""
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return (_BY_ID, id(x))
+
+
+def _dereference(x):
+    """The object of a `_by_reference` argument. `_plan` runs while its caller holds the object, so the id
+    names a live object."""
+    if isinstance(x, tuple) and len(x) == 2 and x[0] == _BY_ID:
+        return ctypes.cast(x[1], ctypes.py_object).value
+    return x
+
+
 def _describe(t):
-    """``t``'s shape, strides, dtype and device as plain constants (a non-tensor passes as it is).
+    """``t``'s shape, strides, dtype and device as plain constants (a non-tensor by its type's name).
 
     ``operator.index`` makes ``torch.compile`` specialise dynamic sizes here: a layout is built for one pair
     of lengths, so the graph is too.
     """
     if not isinstance(t, torch.Tensor):
-        return t
+        return f"{type(t).__module__}.{type(t).__qualname__}"
     shape = tuple(operator.index(n) for n in t.shape)
     strides = tuple(operator.index(s) for s in t.stride())
     return shape, strides, t.dtype, t.device
@@ -120,14 +141,13 @@ def _plan(layout, causal, backend, backward, q, k, v):
     try:
         holders = []
         for name, x in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(x, tuple):
-                h = wrap(x, name)
+            if isinstance(x, str):
                 raise TypeError(
-                    f"{name} must be a torch.Tensor, got a {h.framework} array; cusparseattn.attention takes "
-                    "arrays of any framework"
+                    f"{name} must be a torch.Tensor, got {x}; cusparseattn.attention takes arrays of any "
+                    "framework"
                 )
             holders.append(_Described(name, *x))
-        inputs = api._prepare(*holders, layout, causal=causal, scale=None)
+        inputs = api._prepare(*holders, _dereference(layout), causal=causal, scale=None)
         backends.select(inputs, "forward", backend)
         if backend is not None and backward:
             backends.select(inputs, "backward", backend)  # a forced backend must run the backward: say so now
@@ -170,7 +190,7 @@ def attention(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)
     )
     key, default_scale, _, error = _plan(
-        layout, causal, backend, backward, _describe(q), _describe(k), _describe(v)
+        _by_reference(layout), causal, backend, backward, _describe(q), _describe(k), _describe(v)
     )
     if error is not None:
         raise _ERRORS[error[0]](error[1])

@@ -41,7 +41,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int t = lane & 3;
     const int k_tile0 = tile_k * TILE_N;
-    const float scale_log2 = p.scale * LOG2E;
+    const float scale_log2 = softmax_scale(p) * LOG2E;
 
     int total = 0;
     for (int j = 0; j < p.group; ++j) {
@@ -92,31 +92,32 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 
                 const unsigned long long keep =
                     e.y >= 0 ? mask_bits<true, TILE_M>(p, e.y, b, h, q0, k_tile0, warp * 16, lane) : 0;
-                float st[TILE_M / 8][4];  // S^T: the warp's 16 keys x TILE_M queries
+                float st[TILE_M / 8][4], dpt[TILE_M / 8][4];  // S^T (the warp's 16 keys x TILE_M queries), (dO V^T)^T
                 mma_ABt<TILE_M>(st, kf, qs, lane);
+                // A score mod's derivative folds into dpt while the raw scores are at hand; without one, dpt
+                // comes after dV += P^T dO, which keeps fewer registers live.
+                if constexpr (SCORE_MOD) mma_ABt<TILE_M>(dpt, vf, dos, lane);
+                apply_score_mod<true, TILE_M>(
+                    p, st, dpt, [&](int n, int j) { return delta_s[n * 8 + 2 * t + (j & 1)]; }, b, h,
+                    TilePos<true>(p, q0, k_tile0, warp * 16, lane));
                 if (e.y >= 0) apply_mask<TILE_M>(st, keep);
 #pragma unroll
                 for (int n = 0; n < TILE_M / 8; ++n)
 #pragma unroll
-                    for (int c = 0; c < 2; ++c) {
+                    for (int j = 0; j < 4; ++j) {
                         // Queries past the sequence and rows that attend to nothing (lse = -inf) get P = 0.
-                        const int col = n * 8 + 2 * t + c;
+                        const int col = n * 8 + 2 * t + (j & 1);
                         const float lse = lse_s[col];
                         const float lse2 = q0 + col < p.seq_q && lse != -INFINITY ? lse * LOG2E : INFINITY;
-                        st[n][c] = exp2f(fmaf(st[n][c], scale_log2, -lse2));
-                        st[n][2 + c] = exp2f(fmaf(st[n][2 + c], scale_log2, -lse2));
+                        st[n][j] = exp2f(fmaf(st[n][j], scale_log2, -lse2));  // P^T
                     }
                 mma_AB<TILE_M, DW>(dv, st, dos + split * DW, lane);
-                float dpt[TILE_M / 8][4];  // (dO V^T)^T
-                mma_ABt<TILE_M>(dpt, vf, dos, lane);
+                if constexpr (!SCORE_MOD) mma_ABt<TILE_M>(dpt, vf, dos, lane);
 #pragma unroll
                 for (int n = 0; n < TILE_M / 8; ++n)
 #pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        const float delta = delta_s[n * 8 + 2 * t + c];
-                        st[n][c] *= dpt[n][c] - delta;  // dS^T
-                        st[n][2 + c] *= dpt[n][2 + c] - delta;
-                    }
+                    for (int j = 0; j < 4; ++j)
+                        st[n][j] = dscore(st[n][j], dpt[n][j], delta_s[n * 8 + 2 * t + (j & 1)]);  // dS^T
                 mma_AB<TILE_M, DW>(dk, st, qs + split * DW, lane);
             });
     }

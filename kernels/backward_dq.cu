@@ -64,7 +64,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     const int q_tile0 = tile_q * TILE_M, row0 = q_tile0 + warp * 16;
     const elem_t* k_head = p.k + b * p.k_sb + hk * p.k_sh;
     const elem_t* v_head = p.v + b * p.v_sb + hk * p.v_sh;
-    const float scale_log2 = p.scale * LOG2E;
+    const float scale_log2 = softmax_scale(p) * LOG2E;
 
     if (count > 0) {
         load_tile_async<TILE_M, THREADS>(q_smem, p.q + b * p.q_sb + h * p.q_sh, p.q_ss, q_tile0, p.seq_q);
@@ -100,15 +100,18 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                 e.y >= 0 ? mask_bits<false, TILE_N>(p, e.y, b, h, q_tile0, e.x * TILE_N, warp * 16, lane) : 0;
             float s[TILE_N / 8][4];
             mma_ABt<TILE_N>(s, qf, ks, lane);
-            if (e.y >= 0) apply_mask<TILE_N>(s, keep);
             float dp[TILE_N / 8][4];
             mma_ABt<TILE_N>(dp, dof, ks + KV_ELEMS, lane);
+            apply_score_mod<false, TILE_N>(
+                p, s, dp, [&](int, int j) { return delta[j >> 1]; }, b, h,
+                TilePos<false>(p, q_tile0, e.x * TILE_N, warp * 16, lane));
+            if (e.y >= 0) apply_mask<TILE_N>(s, keep);
 #pragma unroll
             for (int n = 0; n < TILE_N / 8; ++n)
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     const float prob = exp2f(fmaf(s[n][j], scale_log2, -lse2[j >> 1]));
-                    s[n][j] = prob * (dp[n][j] - delta[j >> 1]);  // dS
+                    s[n][j] = dscore(prob, dp[n][j], delta[j >> 1]);
                 }
             mma_AB<TILE_N, HEAD_DIM>(dq, s, ks, lane);
         });

@@ -4,7 +4,8 @@
 // The builder prepends a prelude that defines, before this header is included:
 //   CSA_DTYPE_BF16 (0/1), HEAD_DIM (padded to 16), HEAD_DIM_REAL, TILE_M (query tile), TILE_N (key tile),
 //   NWARPS, SHARED_BYTES (the dynamic shared memory it launches with), RULE_MODE (RULE_NONE / RULE_EXPR /
-//   RULE_BITS) and, for RULE_EXPR, CSA_RULE(b, h, q, k).
+//   RULE_BITS) and, for RULE_EXPR, CSA_RULE(b, h, q, k); SCORE_MOD (0/1) and, for 1, CSA_SCORE(s, b, h, q, k)
+//   and its derivative in s, CSA_SCORE_GRAD(s, b, h, q, k).
 #pragma once
 
 #include <cuda_fp16.h>
@@ -76,6 +77,10 @@ struct Params {
     const unsigned long long* bit_mask;         // RULE_BITS: per partial entry, TILE_M rows of TILE_N bits
     long long rule_p[8];                        // P0..P7 of the token rule
     const int* rule_a[4];                       // A0..A3 of the token rule
+    long long q_origin, k_origin;               // global positions of query and key 0, for score mods
+    long long score_ip[8];                      // SI0..SI7 of the score mod
+    float score_fp[8];                          // SF0..SF7
+    const void* score_a[4];                     // SA0..SA3 (the expression casts them to their element type)
 };
 
 // The layout's (batch, head) line for batch b, query head h: a shared layout has one line for all of them.
@@ -346,6 +351,78 @@ __device__ __forceinline__ unsigned long long mask_bits(const Params& p, int pid
                 bits |= (unsigned long long)ok << (4 * n + 2 * r + c);
             }
     return bits;
+}
+
+// ---- score mods ---------------------------------------------------------------------------------------------
+// Python's floor division and modulo (C's / and % truncate toward zero), for traced expressions.
+__device__ __forceinline__ long long floordiv(long long a, long long b) {
+    const long long q = a / b;
+    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+__device__ __forceinline__ long long floormod(long long a, long long b) { return a - floordiv(a, b) * b; }
+
+// The global (query, key) positions of element [n][j] of a warp's 16 x COLS accumulator tile: rows are queries
+// (or keys when TRANSPOSED) from row0 of the tile at (q_tile0, k_tile0); the layout's origin is added, so the
+// window of a longer sequence sees that sequence's positions.
+template <bool TRANSPOSED>
+struct TilePos {
+    long long q0, k0;
+
+    __device__ __forceinline__ TilePos(const Params& p, int q_tile0, int k_tile0, int row0, int lane) {
+        const int r = row0 + (lane >> 2), c = 2 * (lane & 3);
+        q0 = p.q_origin + q_tile0 + (TRANSPOSED ? c : r);
+        k0 = p.k_origin + k_tile0 + (TRANSPOSED ? r : c);
+    }
+    __device__ __forceinline__ long long q(int n, int j) const {
+        return q0 + (TRANSPOSED ? n * 8 + (j & 1) : 8 * (j >> 1));
+    }
+    __device__ __forceinline__ long long k(int n, int j) const {
+        return k0 + (TRANSPOSED ? 8 * (j >> 1) : n * 8 + (j & 1));
+    }
+};
+
+// The factor the softmax applies to s: the scale, unless a score mod has applied it already.
+__device__ __forceinline__ float softmax_scale(const Params& p) { return SCORE_MOD ? 1.f : p.scale; }
+
+// s <- mod(scale * s) over a warp's raw scores (q . k); nothing without a score mod. The mask applies after
+// it, so that no mod revives a masked score.
+template <bool TRANSPOSED, int COLS>
+__device__ __forceinline__ void apply_score_mod(const Params& p, float (&s)[COLS / 8][4], int b, int h,
+                                                const TilePos<TRANSPOSED>& pos) {
+#if SCORE_MOD
+#pragma unroll
+    for (int n = 0; n < COLS / 8; ++n)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            s[n][j] = CSA_SCORE(s[n][j] * p.scale, (long long)b, (long long)h, pos.q(n, j), pos.k(n, j));
+#endif
+}
+
+// The backward's form: also dp <- (dp - delta) * mod'(scale * s), with delta(n, j) the delta of the element's
+// query; `dscore` then finishes dS.
+template <bool TRANSPOSED, int COLS, class Delta>
+__device__ __forceinline__ void apply_score_mod(const Params& p, float (&s)[COLS / 8][4], float (&dp)[COLS / 8][4],
+                                                Delta&& delta, int b, int h, const TilePos<TRANSPOSED>& pos) {
+#if SCORE_MOD
+#pragma unroll
+    for (int n = 0; n < COLS / 8; ++n)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float x = s[n][j] * p.scale;
+            const long long q = pos.q(n, j), k = pos.k(n, j);
+            dp[n][j] = (dp[n][j] - delta(n, j)) * CSA_SCORE_GRAD(x, (long long)b, (long long)h, q, k);
+            s[n][j] = CSA_SCORE(x, (long long)b, (long long)h, q, k);
+        }
+#endif
+}
+
+// dS = P * (dp - delta) of one element (before the softmax scale), from the dp that apply_score_mod left.
+__device__ __forceinline__ float dscore(float prob, float dp, float delta) {
+#if SCORE_MOD
+    return prob > 0.f ? prob * dp : 0.f;  // the mod's derivative may be inf or NaN where P is 0
+#else
+    return prob * (dp - delta);
+#endif
 }
 
 // Sets the scores that `bits` (from mask_bits) hides to -inf: exp2 then gives exactly 0.

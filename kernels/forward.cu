@@ -101,8 +101,9 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                 e.y >= 0 ? mask_bits<false, TILE_N>(p, e.y, b, h, q_tile0, e.x * TILE_N, warp * 16, lane) : 0;
             float s[TILE_N / 8][4];
             mma_ABt<TILE_N>(s, qf, ks, lane);
+            apply_score_mod<false, TILE_N>(p, s, b, h, TilePos<false>(p, q_tile0, e.x * TILE_N, warp * 16, lane));
             if (e.y >= 0) apply_mask<TILE_N>(s, keep);
-            sm.update(s, o, p.scale);
+            sm.update(s, o, softmax_scale(p));
             mma_AB<TILE_N, HEAD_DIM>(o, s, ks + KV_ELEMS, lane);
         });
 

@@ -41,6 +41,18 @@ def test_params_struct_matches_the_header():
     assert fields == list(build.PARAMS.names)
 
 
+def test_score_mod_specialises_the_source_not_its_values():
+    spec = build.KernelSpec.make("backward_dq", "bfloat16", 64, score=build.SAMPLE_SCORE)
+    source = spec.source()
+    assert f"#define CSA_SCORE(s, b, h, q, k) ({build.SAMPLE_SCORE[0]})" in source
+    assert f"#define CSA_SCORE_GRAD(s, b, h, q, k) ({build.SAMPLE_SCORE[1]})" in source
+    assert "#define SCORE_MOD 1" in source and "#define SF0 (p.score_fp[0])" in source
+    plain = build.KernelSpec.make("backward_dq", "bfloat16", 64)
+    assert "#define SCORE_MOD 0" in plain.source() and "CSA_SCORE(" not in plain.prelude()
+    assert "_score" in spec.name and spec.name != plain.name
+    assert spec.tiles[1] <= build.SCORE_MAX_TILE_N["backward_dq"] < plain.tiles[1]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
@@ -48,6 +60,7 @@ def test_params_struct_matches_the_header():
         ({"rule_mode": "bogus"}, "rule_mode"),
         ({"rule_mode": "expr"}, "rule_expr"),
         ({"kernel": "sideways"}, "kernel"),
+        ({"score": ("s",)}, "derivative"),
     ],
 )
 def test_bad_specs_are_refused(kwargs, match):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_patterns import CC, run_c
+from test_patterns import CC, needs_cc, run_c
 
 from cusparseattn import patterns
 from cusparseattn.layout import BlockLayout, TokenRule
@@ -260,6 +260,50 @@ def test_indexing_shifts_c_expressions(tmp_path):
     assert "(b + P1)" in sub.rule.c_expr and sub.rule.params == (50, 2)
     assert np.array_equal(run_c(sub.rule, 1, 1, 50, 50, tmp_path)[0, 0], lay.to_dense()[2, 0])
     assert np.array_equal(sub.to_dense()[0, 0], lay.to_dense()[2, 0])
+
+
+# ---- windows -----------------------------------------------------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_window(data):
+    lay = random_layout(data.draw, data.draw(shapes()))
+    bq, bk = lay.block_size
+    cuts = []
+    for seq, block in ((lay.seq_q, bq), (lay.seq_k, bk)):
+        n = -(-seq // block)
+        a = data.draw(st.integers(0, n - 1))
+        b = data.draw(st.integers(a + 1, n))
+        cuts.append((a * block, min(b * block, seq)))
+    (q0, q1), (k0, k1) = cuts
+    win = lay.window(q0, q1, k0, k1)
+    assert (win.seq_q, win.seq_k, win.origin) == (q1 - q0, k1 - k0, (q0, k0))
+    assert np.array_equal(win.to_dense(), lay.to_dense()[:, :, q0:q1, k0:k1])
+    assert win.nnz == np.count_nonzero(lay.blocks[:, :, q0 // bq : -(-q1 // bq), k0 // bk : -(-k1 // bk)])
+    inner = win.window(0, win.seq_q, 0, win.seq_k)
+    assert inner.origin == win.origin and np.array_equal(inner.to_dense(), win.to_dense())
+
+
+@needs_cc
+def test_window_shifts_c_expressions(tmp_path):
+    lay = patterns.local(40, block=16).layout(160)
+    win = lay.window(64, 128, 32, 96)
+    assert "(q + P" in win.rule.c_expr and "(k + P" in win.rule.c_expr
+    assert np.array_equal(run_c(win.rule, 1, 1, 64, 64, tmp_path)[0, 0], lay.to_dense()[0, 0, 64:128, 32:96])
+
+
+def test_window_errors():
+    lay = patterns.causal(block=16).layout(100)
+    with pytest.raises(ValueError, match="multiples of the block size 16"):
+        lay.window(8, 32, 0, 32)
+    with pytest.raises(ValueError, match="k_start and k_stop must be multiples"):
+        lay.window(0, 32, 0, 40)
+    assert lay.window(96, 100, 0, 100).seq_q == 4  # a stop at the sequence's end needs no alignment
+    with pytest.raises(ValueError, match="q_start, q_stop must satisfy 0 <= start < stop <= 100"):
+        lay.window(32, 32, 0, 16)
+    with pytest.raises(TypeError, match="k_stop must be an integer"):
+        lay.window(0, 16, 0, 16.0)
+    with pytest.raises(ValueError, match="different origins"):
+        lay.window(0, 32, 0, 32) | lay.window(32, 64, 32, 64)
 
 
 def test_token_mask_past_the_end():

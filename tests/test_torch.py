@@ -135,7 +135,7 @@ def test_sparse_attention_module():
 
 def test_no_torch_tensor_is_named():
     q, k, v = tensors(requires_grad=False)
-    with pytest.raises(TypeError, match="q must be a torch.Tensor, got a numpy array"):
+    with pytest.raises(TypeError, match="q must be a torch.Tensor, got numpy.ndarray"):
         ca_torch.attention(q.numpy(), k, v)
     with pytest.raises(ValueError, match="scale must be finite, got nan"):
         ca_torch.attention(q, k, v, scale=float("nan"))
