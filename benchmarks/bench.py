@@ -3,7 +3,7 @@
     python benchmarks/bench.py                       # every part below (each prints its seconds)
     python benchmarks/bench.py --quick               # S = 4096 only: compile time and the cases
     python benchmarks/bench.py --cases local1024,strided8 --seqs 16384 --dims 128
-    python benchmarks/bench.py --only train-memory   # parts: compile, cases, sweep, memory, train-memory
+    python benchmarks/bench.py --only train-memory   # parts: compile mods cases sweep memory train-memory
     python benchmarks/bench.py --no-backward         # forward only
     python benchmarks/bench.py --out DIR             # where bench.json and bench.png go (default: .)
 
@@ -11,6 +11,8 @@ Parts:
 
 - compile: a cold first call of an unseen rule expression (forward, then backward), and a cached call's host
   time.
+- mods: packed documents (causal in each) with ALiBi and tanh soft-capping at S = 8192, D = 128, against
+  FlexAttention with the same mods: first-call seconds (compiling for the mods), then TFLOP/s.
 - cases: dense, causal, local1024 and strided8 at S = 4096 and 16384, D = 128 and 64; forward and
   forward+backward TFLOP/s of cusparseattn and each peer, and cusparseattn / Flex for both.
 - sweep: forward time against density (S = 16384, D = 128, windows from S/64 to dense).
@@ -40,7 +42,7 @@ import numpy as np
 
 B, H = 2, 16
 CASES = ["dense", "causal", "local1024", "strided8"]
-PARTS = ["compile", "cases", "sweep", "memory", "train-memory"]
+PARTS = ["compile", "mods", "cases", "sweep", "memory", "train-memory"]
 PEERS = ["cusparseattn", "flex", "sdpa", "fa4"]
 PASSES = {"fwd": "forward", "fwdbwd": "forward+backward"}
 BACKWARD_FLOPS = 3.5  # forward+backward FLOPs per forward FLOP: 2 matmuls forward, 5 backward
@@ -393,6 +395,81 @@ def compile_time(results, backward: bool):
     print(line, flush=True)
 
 
+def mods_case(results, backward: bool, seq: int = 8192, dim: int = 128):
+    """Packed documents (causal inside each) with ALiBi and tanh soft-capping, traced by cusparseattn and
+    written for FlexAttention with torch ops: first-call time of each (compiling for these mods), then
+    forward and forward+backward TFLOP/s."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import cusparseattn as ca
+    from cusparseattn import mods, patterns
+
+    rng = np.random.default_rng(0)
+    cuts = np.sort(rng.choice(np.arange(1, seq // 128), size=7, replace=False)) * 128
+    ids = np.repeat(np.arange(8), np.diff([0, *cuts, seq]))
+    slopes, cap = mods.alibi_slopes(H), 30.0
+    mask_mod = mods.and_masks(mods.causal_mask, mods.document_mask(ids))
+    score_mod = mods.compose(mods.alibi(slopes), mods.softcap(cap))
+    ids_t = torch.as_tensor(ids, device="cuda")
+    slopes_t = torch.as_tensor(slopes, device="cuda", dtype=torch.float32)
+
+    def flex_mask(b, h, q, kv):
+        return (q >= kv) & (ids_t[q] == ids_t[kv])
+
+    def flex_score(s, b, h, q, kv):
+        return cap * torch.tanh((s + slopes_t[h] * (kv - q)) / cap)
+
+    q, k, v = (
+        torch.randn(B, H, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+        for _ in range(3)
+    )
+    grad = torch.randn_like(q)
+    flex = compiled_flex()
+    row = {"case": "doc+alibi+softcap", "S": seq, "D": dim, "fwd": {}, "fwdbwd": {}, "first_call_s": {}}
+    # The first call builds the masks and compiles for the mods; the timed calls reuse what it built, as a
+    # training loop does.
+    built = {}
+
+    def first_call(name):
+        if name == "cusparseattn":
+            built[name] = (patterns.from_mask(mask_mod).layout(seq), mods.score_mod(score_mod))
+            return ca.attention(q, k, v, built[name][0], score_mod=built[name][1], backend="cuda")
+        built[name] = create_block_mask(flex_mask, None, None, seq, seq, BLOCK_SIZE=128)
+        return flex(q, k, v, score_mod=flex_score, block_mask=built[name])
+
+    calls = {
+        "cusparseattn": lambda: ca.attention(
+            q, k, v, built["cusparseattn"][0], score_mod=built["cusparseattn"][1], backend="cuda"
+        ),
+        "flex": lambda: flex(q, k, v, score_mod=flex_score, block_mask=built["flex"]),
+    }
+    for name, fn in calls.items():
+        start = time.perf_counter()
+        out = _first(first_call(name))
+        if backward:
+            out.backward(grad)
+        torch.cuda.synchronize()
+        row["first_call_s"][name] = time.perf_counter() - start
+        layout = built["cusparseattn"][0]  # built first: the attended fraction counts for both
+        row["density"] = layout.density
+        flops = 4 * B * H * seq * seq * dim * layout.density
+        for x in (q, k, v):
+            x.grad = None
+        with torch.no_grad():
+            row["fwd"][name] = flops / bench(fn) / 1e9
+        if backward:
+            ms = bench(lambda fn=fn: _first(fn()).backward(grad), fwd_only=False, grad_to_none=[q, k, v])
+            row["fwdbwd"][name] = BACKWARD_FLOPS * flops / ms / 1e9
+    results["mods"].append(row)
+    first = ", ".join(f"{n} {s:.1f} s" for n, s in row["first_call_s"].items())
+    print(f"mods: {row['case']} S={seq} D={dim} d={row['density']:.3f} | first call (fwd+bwd): {first}")
+    for pass_ in PASSES:
+        if row[pass_]:
+            figures = " ".join(f"{n} {x:6.1f}" for n, x in row[pass_].items())
+            print(f"  {pass_}: {figures} (x{_ratio(row, pass_):.2f} flex)", flush=True)
+
+
 def plot(results, path: Path):
     try:
         import matplotlib
@@ -485,6 +562,7 @@ def main(argv=None):
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "cases": [],
+        "mods": [],
         "sweep": [],
         "memory": [],
         "train_memory": [],
@@ -494,6 +572,7 @@ def main(argv=None):
     print(f"device: {results['device']}, torch {results['torch']}")
     steps = {
         "compile": lambda: compile_time(results, backward),
+        "mods": lambda: mods_case(results, backward),
         "cases": lambda: run_cases(seqs, args.dims, args.cases, backward, results),
         "sweep": lambda: density_sweep(results),
         "memory": lambda: memory(results),

@@ -11,21 +11,25 @@ that PyTorch, JAX, CuPy and NumPy arrays go in and come back in their own framew
 (1, 2, 256, 64)
 """
 
-from . import backends, patterns, reference
+from . import backends, mods, patterns, reference, trace
 from .api import attention, attention_backward, attention_forward
 from .layout import BlockLayout, TokenRule
 from .patterns import Pattern
+from .trace import ScoreMod
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BlockLayout",
     "Pattern",
+    "ScoreMod",
     "TokenRule",
     "attention",
     "attention_backward",
     "attention_forward",
     "backends",
+    "mods",
     "patterns",
     "reference",
+    "trace",
 ]

@@ -3,7 +3,8 @@
 - ``demo``: builds a local-window layout, shows it, runs `cusparseattn.attention` on the best backend this
   machine has (saying which, and why not the others) and checks the result against the float64 reference.
   Exits 1 when the check fails.
-- ``info``: versions, the GPU, and which backends can run here (and why not).
+- ``info``: versions, the GPU, every backend (what it is, whether this machine can run it, the priority
+  order) and which backends can run sample inputs here, and why not.
 
 Examples (shell)::
 
@@ -152,6 +153,23 @@ def _gpu_lines() -> list[str]:
     return lines
 
 
+def _framework_inputs(shape, dtype: str, on_gpu: bool):
+    """Sample q, k, v for ``info``: torch tensors where PyTorch is installed (every backend, PyTorch's too,
+    can then say whether it runs them), else NumPy or CuPy arrays; on the GPU when ``on_gpu``."""
+    try:
+        import torch
+    except ImportError:
+        return _inputs(shape, dtype, on_gpu), f"{'cupy' if on_gpu else 'numpy'} arrays"
+    device = "cuda" if on_gpu and torch.cuda.is_available() else "cpu"
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=generator).to(device, getattr(torch, dtype)) for _ in range(3))
+    return (q, k, v), f"torch tensors on {device}"
+
+
+def _can(reasons: list[str]) -> str:
+    return "can run" if not reasons else "cannot run: " + "; ".join(reasons)
+
+
 def info(args: argparse.Namespace) -> int:
     from . import __version__, backends, env
 
@@ -167,15 +185,34 @@ def info(args: argparse.Namespace) -> int:
     except FileNotFoundError as err:
         print(f"kernel sources: missing ({err})")
 
-    print(f"backends, in priority order: {', '.join(backends.list_backends())}")
+    enabled = backends.list_backends()
+    print(f"backends, in priority order: {', '.join(enabled)}")
+    for name, backend in backends.BACKENDS.items():
+        missing = backend.available()
+        here = "available here" if not missing else "not available here: " + "; ".join(missing)
+        state = "" if name in enabled else " (disabled)"
+        print(f"  {name}{state}: {backend.description}; {here}")
     on_gpu = not _gpu_reasons()
+    shape = (1, 4, 256, 64)
     for dtype in ("float16", "bfloat16", "float32"):
-        q, k, v = _inputs((1, 4, 256, 64), dtype, on_gpu)
-        where = "GPU" if on_gpu else "CPU"
-        print(f"q, k, v {dtype} [1, 4, 256, 64] on the {where}:")
-        for name, reasons in backends.why_not(q, k, v).items():
-            print(f"  {name}: {'can run' if not reasons else 'cannot run: ' + '; '.join(reasons)}")
+        (q, k, v), what = _framework_inputs(shape, dtype, on_gpu)
+        print(f"q, k, v {dtype} {list(shape)}, {what}:")
+        forward, backward = (backends.why_not(q, k, v, op=op) for op in ("forward", "backward"))
+        for name, reasons in forward.items():
+            if backward[name] == reasons:
+                print(f"  {name}: {_can(reasons)}")
+            else:
+                print(f"  {name}: forward {_can(reasons)}; backward {_can(backward[name])}")
+        chosen = [_chosen(backends, q, k, v, op) for op in ("forward", "backward")]
+        print(f"  chosen: {chosen[0]} (forward), {chosen[1]} (backward)")
     return 0
+
+
+def _chosen(backends, q, k, v, op: str) -> str:
+    try:
+        return backends.current_backend(q, k, v, op=op)
+    except ValueError:
+        return "none"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,8 +2,9 @@
 
 Every call validates its arrays, layout and scale before any work, picks a backend (`cusparseattn.backends`)
 and returns results in the caller's framework, on the caller's device. `attention` is differentiable with
-PyTorch tensors (an ``autograd.Function``, `cusparseattn.torch`) and with JAX arrays (a ``custom_vjp``,
-`cusparseattn.jax`); `attention_forward` and `attention_backward` are the raw pair, without autograd.
+PyTorch tensors (custom operators with registered autograd, which ``torch.compile`` keeps whole:
+`cusparseattn.torch`) and with JAX arrays (a ``custom_vjp``, `cusparseattn.jax`); `attention_forward` and
+`attention_backward` are the raw pair, without autograd.
 
 >>> import numpy as np
 >>> from cusparseattn import attention, patterns
@@ -20,28 +21,39 @@ import math
 import numbers
 import weakref
 
-from . import backends
+from . import backends, mods
 from .arrays import Sizes, check_layout, validate, wrap
 from .backends import Inputs
 from .layout import BlockLayout
 
 _causal_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_mask_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def attention(q, k, v, layout=None, *, causal=False, scale=None, return_lse=False, backend=None):
-    """Block-sparse attention ``softmax(scale * q @ k^T, masked by layout) @ v``, differentiable.
+def attention(
+    q, k, v, layout=None, *, causal=False, scale=None, return_lse=False, backend=None, score_mod=None
+):
+    """Block-sparse attention ``softmax(score_mod(scale * q @ k^T), masked by layout) @ v``, differentiable.
 
     Args:
         q: ``[B, Hq, Sq, D]``; k, v: ``[B, Hkv, Sk, D]`` with Hq a multiple of Hkv (grouped-query attention).
             NumPy, CuPy, PyTorch or JAX arrays of one framework, dtype float16, bfloat16, float32 or float64
             (float64: the reference only), any strides with a contiguous last dimension (``[B, S, H, D]``
             arrays pass as the views ``x.transpose(1, 2)``).
-        layout: None (dense), a `Pattern` (built for these lengths) or a `BlockLayout` of these lengths.
+        layout: None (dense), a `Pattern` (built for these lengths), a `BlockLayout` of these lengths, or a
+            ``mask_mod(b, h, q_idx, kv_idx) -> bool`` function (`cusparseattn.patterns.from_mask` with blocks
+            of 128 over these batch elements and heads; its layout is built at the first call with that
+            function and kept while the function lives, so captured arrays are read once: pass a new function
+            for new values, or build a Pattern yourself).
         causal: intersect the layout with the causal mask, aligned bottom-right when ``Sq != Sk``.
         scale: the factor of the scores, ``1 / sqrt(D)`` by default.
         return_lse: also return the natural-log log-sum-exp ``[B, Hq, Sq]`` of each row (float32; float64 for
             float64 inputs), which is not differentiable.
         backend: force one backend by name (``"cuda"``, ``"reference"``); by default the first that can run.
+        score_mod: None, or ``score_mod(score, b, h, q_idx, kv_idx) -> score`` applied to every scaled score
+            before the mask and softmax (FlexAttention's score_mod; ``h`` the query head), written with the
+            operators and functions of `cusparseattn.mods` and traced (or a traced
+            `cusparseattn.mods.score_mod`). The lse is over the modified scores.
 
     Returns:
         ``out`` like ``q`` (and ``lse``), in the caller's framework and device. A query row that attends to
@@ -60,14 +72,17 @@ def attention(q, k, v, layout=None, *, causal=False, scale=None, return_lse=Fals
             from . import torch as adapter
         else:
             from . import jax as adapter
+        mod = {} if score_mod is None else {"score_mod": score_mod}
         return adapter.attention(
-            q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse, backend=backend
+            q, k, v, layout, causal=causal, scale=scale, return_lse=return_lse, backend=backend, **mod
         )
-    out, lse = attention_forward(q, k, v, layout, causal=causal, scale=scale, backend=backend)
+    out, lse = attention_forward(
+        q, k, v, layout, causal=causal, scale=scale, backend=backend, score_mod=score_mod
+    )
     return (out, lse) if return_lse else out
 
 
-def attention_forward(q, k, v, layout=None, *, causal=False, scale=None, backend=None):
+def attention_forward(q, k, v, layout=None, *, causal=False, scale=None, backend=None, score_mod=None):
     """The forward pass alone: ``(out, lse)`` in the caller's framework (no autograd).
 
     Arguments as in `attention`. ``lse [B, Hq, Sq]`` is the natural-log log-sum-exp of each row's scaled,
@@ -82,16 +97,18 @@ def attention_forward(q, k, v, layout=None, *, causal=False, scale=None, backend
     >>> out.dtype, lse.dtype, bool(np.isclose(lse[0, 0, 0], q[0, 0, 0] @ k[0, 0, 0] / np.sqrt(8)))
     (dtype('float64'), dtype('float64'), True)
     """
-    inputs = _prepare(q, k, v, layout, causal=causal, scale=scale)
+    inputs = _prepare(q, k, v, layout, causal=causal, scale=scale, score_mod=score_mod)
     return _run(inputs, "forward", backend)
 
 
-def attention_backward(dout, q, k, v, out, lse, layout=None, *, causal=False, scale=None, backend=None):
+def attention_backward(
+    dout, q, k, v, out, lse, layout=None, *, causal=False, scale=None, backend=None, score_mod=None
+):
     """The backward pass: ``(dq, dk, dv)`` from ``dout``, the gradient of the loss with respect to ``out``.
 
-    ``out`` and ``lse`` come from `attention_forward` with the same arguments. With grouped-query attention,
-    ``dk`` and ``dv`` sum over the query heads of each group. A query row that attends to nothing gets zero
-    gradients.
+    ``out`` and ``lse`` come from `attention_forward` with the same arguments (``score_mod`` included).
+    With grouped-query attention, ``dk`` and ``dv`` sum over the query heads of each group. A query row that
+    attends to nothing gets zero gradients.
 
     >>> import numpy as np
     >>> rng = np.random.default_rng(2)
@@ -101,11 +118,13 @@ def attention_backward(dout, q, k, v, out, lse, layout=None, *, causal=False, sc
     >>> dq.shape, dk.shape, bool(np.allclose(dv.sum(axis=(1, 2)), dout.sum(axis=(1, 2))))
     ((1, 4, 40, 8), (1, 2, 40, 8), True)
     """
-    inputs = _prepare(q, k, v, layout, causal=causal, scale=scale, dout=dout, out=out, lse=lse)
+    inputs = _prepare(
+        q, k, v, layout, causal=causal, scale=scale, dout=dout, out=out, lse=lse, score_mod=score_mod
+    )
     return _run(inputs, "backward", backend)
 
 
-def _prepare(q, k, v, layout, *, causal, scale, dout=None, out=None, lse=None) -> Inputs:
+def _prepare(q, k, v, layout, *, causal, scale, dout=None, out=None, lse=None, score_mod=None) -> Inputs:
     """Wrap and validate every argument (nothing runs before this passes) into a backend's `Inputs`."""
     hq, hk, hv = wrap(q, "q"), wrap(k, "k"), wrap(v, "v")
     extra = {name: wrap(x, name) for name, x in (("dout", dout), ("out", out), ("lse", lse)) if x is not None}
@@ -113,7 +132,8 @@ def _prepare(q, k, v, layout, *, causal, scale, dout=None, out=None, lse=None) -
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be True or False, got {causal!r}")
     resolved = _resolve_layout(layout, causal, sizes)
-    return Inputs(hq, hk, hv, resolved, _check_scale(scale, sizes.head_dim), **extra)
+    mod = None if score_mod is None else mods.score_mod(score_mod)  # names score_mod when it cannot trace
+    return Inputs(hq, hk, hv, resolved, _check_scale(scale, sizes.head_dim), score_mod=mod, **extra)
 
 
 def _run(inputs: Inputs, op: str, backend: str | None) -> tuple:
@@ -136,15 +156,33 @@ def _default_pattern(causal: bool):
 
 
 def _resolve_layout(layout, causal: bool, sizes: Sizes) -> BlockLayout:
-    """The BlockLayout for these sizes: None is dense, a Pattern is built for them; ``causal`` intersects."""
+    """The BlockLayout for these sizes: None is dense, a Pattern is built for them, a mask function becomes a
+    Pattern; ``causal`` intersects."""
     from .patterns import Pattern
 
     if layout is None:
         return _default_pattern(causal).layout(sizes.seq_q, sizes.seq_k)
+    if callable(layout) and not isinstance(layout, (Pattern, BlockLayout)):
+        layout = _mask_pattern(layout, sizes.batch, sizes.heads_q)
     if isinstance(layout, Pattern):
         layout = layout.layout(sizes.seq_q, sizes.seq_k)
     check_layout(layout, sizes)
     return _with_causal(layout) if causal else layout
+
+
+def _mask_pattern(fn, batch: int, heads: int):
+    """``patterns.from_mask(fn)`` over these batch elements and heads, kept while ``fn`` lives (a Pattern
+    caches its layouts per lengths, so the same function gives the same layout object)."""
+    from . import patterns
+
+    try:
+        per_size = _mask_cache.setdefault(fn, {})
+    except TypeError:  # not weakly referenceable: build each time
+        per_size = {}
+    pattern = per_size.get((batch, heads))
+    if pattern is None:
+        pattern = per_size[(batch, heads)] = patterns.from_mask(fn, batch=batch, heads=heads)
+    return pattern
 
 
 def _with_causal(layout: BlockLayout) -> BlockLayout:

@@ -1,18 +1,39 @@
-"""Which implementation runs a call: the CUDA kernels, else the NumPy reference, and why not the others.
+"""Which implementation runs a call, and why not the others: a registry of backends, like PyTorch's
+``torch.nn.attention`` for SDPA.
 
-Each backend is a class with a ``name``, ``not_supported_reasons(inputs, op)`` (an empty list when it can run
-``op``, ``"forward"`` or ``"backward"``) and the ``forward`` / ``backward`` themselves. Automatic selection
-walks the enabled backends in priority order and takes the first with no reasons; a backend the caller forces
-goes through the same check and, when it cannot run, one error lists the inputs and every reason.
-`use_backends` restricts and orders the choice inside a ``with`` block (per thread), like PyTorch's
-``sdpa_kernel``.
+Each backend is a `Backend` with a ``name``, ``not_supported_reasons(inputs, op)`` (an empty list when it can
+run ``op``, ``"forward"`` or ``"backward"``, on these inputs) and the ``forward`` / ``backward`` themselves.
+Four are registered, in this priority order:
+
+- ``"cuda"``: the CUDA kernels (`cusparseattn.cuda`), for GPU arrays;
+- ``"reference"``: the NumPy reference on the host, for any inputs (GPU inputs are copied there and back);
+- ``"flex"`` and ``"sdpa"``: PyTorch's FlexAttention and SDPA with a dense mask
+  (`cusparseattn.torch_backends`), for torch tensors, to compare with. They come after the reference,
+  which runs everything, so automatic selection never picks them: name them (``backend="sdpa"``, or
+  ``use_backends("sdpa")``) to use them.
+
+Automatic selection walks the enabled backends in priority order and takes the first with no reasons; a
+backend the caller forces goes through the same check, and when nothing can run, one error lists the inputs
+and every reason. `why_not` says, for every backend, why it cannot take a call; `current_backend` which one
+would. When the choice falls back to a slow path (the reference, for GPU inputs) because backends ahead of it
+could not run, a RuntimeWarning names their reasons, once per distinct set of reasons.
+
+Which backends are enabled, and their order, is decided at two levels:
+
+- `activate_backend` sets the process-wide default, for every thread;
+- `use_backends` overrides it inside a ``with`` block, in this thread only (blocks nest; the innermost one
+  counts, and the enclosing state comes back on exit, also on an exception).
+
+Both take names (or registered `Backend` objects); ``set_priority=True`` makes the given order the priority
+order, otherwise the current priority order is kept and only the set changes. `register_backend` adds a
+backend.
 
 >>> import numpy as np
 >>> q = k = v = np.ones((1, 2, 16, 8), np.float32)
 >>> list_backends()
-['cuda', 'reference']
->>> why_not(q, k, v)["reference"]
-[]
+['cuda', 'reference', 'flex', 'sdpa']
+>>> current_backend(q, k, v)
+'reference'
 >>> with use_backends("reference"):
 ...     list_backends()
 ['reference']
@@ -23,8 +44,10 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import types
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,9 +58,11 @@ OPS = ("forward", "backward")
 
 
 class Inputs:
-    """The validated arrays (holders) of one call, its layout and scale: what a backend decides on and runs.
+    """The validated arrays (holders) of one call, its layout, scale and score mod: what a backend decides on
+    and runs.
 
-    ``dout``, ``out`` and ``lse`` are set for the backward.
+    ``dout``, ``out`` and ``lse`` are set for the backward. ``score_mod`` is None or a `cusparseattn.trace`
+    ``ScoreMod`` (its ``fn`` is the user's function, ``c_expr`` the same as C).
     """
 
     def __init__(
@@ -51,9 +76,15 @@ class Inputs:
         dout: Tensor | None = None,
         out: Tensor | None = None,
         lse: Tensor | None = None,
+        score_mod=None,
     ):
         self.q, self.k, self.v, self.layout, self.scale = q, k, v, layout, scale
         self.dout, self.out, self.lse = dout, out, lse
+        self.score_mod = score_mod
+
+    @property
+    def framework(self) -> str:
+        return self.q.framework
 
     @property
     def dtype(self) -> str:
@@ -76,7 +107,14 @@ class Inputs:
 
     def describe(self) -> str:
         arrays = "; ".join(h.describe() for h in self.holders())
-        return f"{arrays}; scale {self.scale:.6g}; layout {self.layout!r}"
+        mod = "" if self.score_mod is None else f"; score_mod {score_mod_name(self.score_mod)}"
+        return f"{arrays}; scale {self.scale:.6g}{mod}; layout {self.layout!r}"
+
+
+def score_mod_name(score_mod) -> str:
+    """A score mod's name for messages: its ``name``, else its function's, else its type's."""
+    name = getattr(score_mod, "name", None) or getattr(getattr(score_mod, "fn", None), "__name__", None)
+    return str(name or type(score_mod).__name__)
 
 
 def _precision(dtype: str):
@@ -84,12 +122,34 @@ def _precision(dtype: str):
 
 
 class Backend:
-    """One implementation of the forward and backward passes."""
+    """One implementation of the forward and backward passes. Subclass it, set ``name`` (and a one-line
+    ``description``), and pass an instance to `register_backend`.
+
+    >>> class Nothing(Backend):
+    ...     name, description = "nothing", "runs nothing"
+    ...     def not_supported_reasons(self, inputs, op):
+    ...         return ["it is an example"]
+    >>> Nothing()
+    <backend 'nothing'>
+    """
 
     name = ""
+    description = ""
+
+    def available(self) -> list[str]:
+        """Why this backend cannot run anything in this process (missing packages, no GPU); empty when it
+        can run some inputs. `not_supported_reasons` repeats these for each call."""
+        return []
 
     def not_supported_reasons(self, inputs: Inputs, op: str) -> list[str]:
+        """Why this backend cannot run ``op`` (``"forward"`` or ``"backward"``) on ``inputs``; empty when it
+        can. Decided before any work, from metadata: a traced array has no values yet."""
         raise NotImplementedError
+
+    def slow_path(self, inputs: Inputs) -> str | None:
+        """A phrase saying what running ``inputs`` here costs, when that makes this backend a slow fallback
+        (automatic selection then warns, naming why the backends ahead of it could not run); else None."""
+        return None
 
     def forward(self, inputs: Inputs) -> tuple[Tensor, Tensor]:
         """``(out, lse)`` holders in the inputs' framework and device."""
@@ -110,6 +170,7 @@ class CudaBackend(Backend):
     """
 
     name = "cuda"
+    description = "the CUDA kernels, compiled at run time through CuPy"
 
     @staticmethod
     def _module():
@@ -120,6 +181,10 @@ class CudaBackend(Backend):
                 raise
             return None
         return cuda
+
+    def available(self):
+        cuda = self._module()
+        return ["the CUDA kernels are not built into this version"] if cuda is None else cuda.available()
 
     def not_supported_reasons(self, inputs, op):
         cuda = self._module()
@@ -146,7 +211,9 @@ class CudaBackend(Backend):
         with cupy.cuda.Device(q.device[1]):
             out = q.empty(q.shape, q.dtype)
             lse = q.empty(q.shape[:3], "float32")
-            cuda.forward(q, inputs.k, inputs.v, out, lse, inputs.layout, inputs.scale)
+            cuda.forward(
+                q, inputs.k, inputs.v, out, lse, inputs.layout, inputs.scale, score_mod=inputs.score_mod
+            )
         out.name, lse.name = "out", "lse"
         return out, lse
 
@@ -159,7 +226,7 @@ class CudaBackend(Backend):
             dq, dk, dv = q.empty(q.shape, q.dtype), k.empty(k.shape, k.dtype), k.empty(k.shape, k.dtype)
             delta = q.empty(q.shape[:3], "float32")  # scratch: rowsum(dout * out), written by the dq pass
             saved = (inputs.dout, q, k, inputs.v, inputs.out, inputs.lse)
-            cuda.backward(*saved, dq, dk, dv, delta, inputs.layout, inputs.scale)
+            cuda.backward(*saved, dq, dk, dv, delta, inputs.layout, inputs.scale, score_mod=inputs.score_mod)
         dq.name, dk.name, dv.name = "dq", "dk", "dv"
         return dq, dk, dv
 
@@ -168,9 +235,13 @@ class ReferenceBackend(Backend):
     """The NumPy reference (``cusparseattn.reference``) on the host: GPU inputs are copied there and back."""
 
     name = "reference"
+    description = "the NumPy reference, on the host (GPU inputs are copied there and back)"
 
     def not_supported_reasons(self, inputs, op):
         return []
+
+    def slow_path(self, inputs):
+        return "the NumPy reference on the host" if inputs.on_gpu else None
 
     def forward(self, inputs):
         from . import reference
@@ -183,6 +254,7 @@ class ReferenceBackend(Backend):
             inputs.layout,
             scale=inputs.scale,
             precision=_precision(q.dtype),
+            score_mod=inputs.score_mod,
         )
         return q.from_numpy(out), q.from_numpy(lse)
 
@@ -200,24 +272,110 @@ class ReferenceBackend(Backend):
             inputs.layout,
             scale=inputs.scale,
             precision=_precision(q.dtype),
+            score_mod=inputs.score_mod,
         )
         return tuple(q.from_numpy(g) for g in grads)
 
 
-#: Every backend by name, in priority order.
-BACKENDS: dict[str, Backend] = {b.name: b for b in (CudaBackend(), ReferenceBackend())}
+# ---- the registry and the selection state ----------------------------------------------------------------
 
-_state = threading.local()
+
+@dataclass(frozen=True)
+class _Selection:
+    """Which backends are enabled and in what order, as one `activate_backend` or `use_backends` call left it.
+
+    ``enabled`` None means every registered backend. ``priority`` lists the names that come first, in that
+    order; the other registered backends follow in registry order. ``by`` is the call, for messages.
+    """
+
+    enabled: tuple[str, ...] | None
+    priority: tuple[str, ...]
+    by: str
+
+    def order(self) -> list[str]:
+        registered = BACKENDS
+        first = [n for n in self.priority if n in registered]
+        return first + [n for n in registered if n not in self.priority]
+
+    def enabled_order(self) -> list[str]:
+        return [n for n in self.order() if self.enabled is None or n in self.enabled]
+
+
+_INITIAL = _Selection(None, (), "")
+_lock = threading.Lock()  # guards the process-wide state below; readers take one consistent snapshot
+_default = _INITIAL
+_state = threading.local()  # .selection: this thread's innermost use_backends block
 _warned: set[str] = set()
 
+#: Every registered backend by name, in registry order (the default priority order). Read-only:
+#: `register_backend` replaces it with a new mapping, so a reader never sees it change under it.
+BACKENDS: Mapping[str, Backend] = types.MappingProxyType({})
 
-def _enabled() -> tuple[str, ...]:
-    return getattr(_state, "enabled", tuple(BACKENDS))
+
+def register_backend(backend: Backend, *, priority: int | None = None) -> Backend:
+    """Add ``backend`` (a `Backend` instance with a name of its own) to the registry and return it.
+
+    ``priority`` is its place in the registry order (0: first, ahead of ``"cuda"``); None puts it last. It is
+    enabled wherever the enabled set is the default one (every backend); where `activate_backend` or
+    `use_backends` named a set, it joins only once named.
+
+    >>> class Echo(ReferenceBackend):
+    ...     name, description = "echo", "the reference, under another name"
+    >>> _ = register_backend(Echo())
+    >>> list_backends()[-1]
+    'echo'
+    >>> _ = unregister_backend("echo")
+    """
+    global BACKENDS
+    if not isinstance(backend, Backend):
+        raise TypeError(f"backend must be an instance of a Backend subclass, got {_type_name(backend)}")
+    name = backend.name
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"backend.name must be a non-empty string, got {name!r} for {_type_name(backend)}")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int) or priority < 0):
+        raise ValueError(f"priority must be None (last) or a place 0, 1, ... in the order, got {priority!r}")
+    with _lock:
+        if name in BACKENDS:
+            raise ValueError(
+                f"a backend named {name!r} is registered already ({BACKENDS[name]!r}); choose another name"
+            )
+        items = list(BACKENDS.items())
+        items.insert(len(items) if priority is None else priority, (name, backend))
+        BACKENDS = types.MappingProxyType(dict(items))
+    return backend
 
 
-def list_backends() -> list[str]:
-    """The backends that automatic selection may pick in this thread, in priority order."""
-    return list(_enabled())
+def unregister_backend(name: str) -> Backend:
+    """Remove the backend ``name`` from the registry and return it. Names it leaves in an `activate_backend`
+    or `use_backends` state are ignored from then on.
+
+    >>> class Twin(ReferenceBackend):
+    ...     name = "twin"
+    >>> twin = register_backend(Twin())
+    >>> unregister_backend("twin") is twin
+    True
+    """
+    global BACKENDS
+    with _lock:
+        _check_names([name])
+        items = dict(BACKENDS)
+        backend = items.pop(name)
+        BACKENDS = types.MappingProxyType(items)
+    return backend
+
+
+def _type_name(x) -> str:
+    return f"{type(x).__module__}.{type(x).__qualname__}"
+
+
+def _name(backend) -> str:
+    if isinstance(backend, Backend):
+        if BACKENDS.get(backend.name) is not backend:
+            raise ValueError(f"{backend!r} is not registered: pass it to register_backend first")
+        return backend.name
+    if not isinstance(backend, str):
+        raise TypeError(f"a backend is named by a string or a registered Backend, got {_type_name(backend)}")
+    return backend
 
 
 def _check_names(names) -> None:
@@ -227,9 +385,62 @@ def _check_names(names) -> None:
             raise ValueError(f"backend must be one of {known}, got {name!r}")
 
 
+def _call(function: str, names: tuple[str, ...], set_priority: bool) -> str:
+    args = ", ".join(repr(n) for n in names) + (", set_priority=True" if set_priority else "")
+    return f"{function}({args})"
+
+
+def _narrowed(base: _Selection, backends, set_priority: bool, function: str) -> _Selection:
+    names = tuple(dict.fromkeys(_name(b) for b in backends))
+    _check_names(names)
+    priority = names + tuple(n for n in base.order() if n not in names) if set_priority else base.priority
+    return _Selection(names, priority, _call(function, names, set_priority))
+
+
+def _current() -> _Selection:
+    return getattr(_state, "selection", None) or _default
+
+
+def list_backends() -> list[str]:
+    """The backends that automatic selection may pick in this thread, in priority order.
+
+    >>> with use_backends("reference", "cuda", set_priority=True):
+    ...     list_backends()
+    ['reference', 'cuda']
+    """
+    return _current().enabled_order()
+
+
+def activate_backend(*backends, set_priority: bool = False) -> tuple[str, ...]:
+    """Set the process-wide default: automatic selection uses only these backends (in every thread, outside
+    `use_backends` blocks). ``set_priority=True`` makes the given order the priority order; otherwise the
+    current one is kept. With no backends, back to the initial state: every registered backend, in registry
+    order.
+
+    Returns the previous default's enabled backends in its priority order (``()`` for the initial state), so
+    that ``activate_backend(*previous, set_priority=True)`` restores it.
+
+    >>> previous = activate_backend("reference")
+    >>> list_backends(), previous
+    (['reference'], ())
+    >>> _ = activate_backend(*previous, set_priority=True)
+    >>> list_backends()
+    ['cuda', 'reference', 'flex', 'sdpa']
+    """
+    global _default
+    with _lock:
+        previous = _default
+        _default = _narrowed(previous, backends, set_priority, "activate_backend") if backends else _INITIAL
+    return () if previous.enabled is None else tuple(previous.enabled_order())
+
+
 @contextlib.contextmanager
-def use_backends(*names: str) -> Iterator[None]:
-    """Let automatic selection use only these backends, in this order, inside the ``with`` block.
+def use_backends(*backends, set_priority: bool = False) -> Iterator[None]:
+    """Let automatic selection use only these backends inside the ``with`` block, in this thread: like
+    PyTorch's ``sdpa_kernel``. ``set_priority=True`` makes the given order the priority order; otherwise the
+    current priority order is kept. Blocks nest (the innermost one counts) and restore the enclosing state
+    on exit, also on an exception. Other threads, including threads started inside the block, keep the
+    process-wide default (`activate_backend`).
 
     >>> import numpy as np
     >>> q = k = v = np.ones((1, 1, 16, 8), np.float32)
@@ -237,45 +448,18 @@ def use_backends(*names: str) -> Iterator[None]:
     ...     why_not(q, k, v)["cuda"][-1]
     "disabled by use_backends('reference')"
     """
-    if not names:
+    if not backends:
         raise ValueError("use_backends needs a backend name, e.g. use_backends('cuda', 'reference')")
-    _check_names(names)
-    previous = getattr(_state, "enabled", None)
-    _state.enabled = tuple(dict.fromkeys(names))
+    outer = getattr(_state, "selection", None)
+    selection = _narrowed(outer or _default, backends, set_priority, "use_backends")
+    _state.selection = selection
     try:
         yield
     finally:
-        if previous is None:
-            del _state.enabled
-        else:
-            _state.enabled = previous
+        _state.selection = outer
 
 
-def select(inputs: Inputs, op: str = "forward", backend: str | None = None) -> Backend:
-    """The backend that runs ``op`` on ``inputs``: ``backend`` if given (it must be able to), else the first
-    enabled one that can. Raises one ValueError with the inputs and every reason when none can.
-
-    Falling back from the CUDA kernels to the reference for GPU inputs warns once per reason, as it copies the
-    inputs to the host and the results back.
-    """
-    _check_op(op)
-    if backend is not None:
-        _check_names([backend])
-        reasons = BACKENDS[backend].not_supported_reasons(inputs, op)
-        if reasons:
-            listed = "".join(f"\n  - {reason}" for reason in reasons)
-            raise ValueError(f"backend {backend!r} cannot run the {op} for {inputs.describe()}:{listed}")
-        return BACKENDS[backend]
-    rejected: dict[str, list[str]] = {}
-    for name in _enabled():
-        reasons = BACKENDS[name].not_supported_reasons(inputs, op)
-        if not reasons:
-            if name == "reference" and inputs.on_gpu and "cuda" in rejected:
-                _warn_fallback(rejected["cuda"])
-            return BACKENDS[name]
-        rejected[name] = reasons
-    lines = "".join(f"\n  {name}: " + "; ".join(reasons) for name, reasons in rejected.items())
-    raise ValueError(f"no enabled backend can run the {op} for {inputs.describe()}:{lines}")
+# ---- selection -------------------------------------------------------------------------------------------
 
 
 def _check_op(op: str) -> None:
@@ -283,38 +467,117 @@ def _check_op(op: str) -> None:
         raise ValueError(f"op must be 'forward' or 'backward', got {op!r}")
 
 
-def _warn_fallback(reasons: list[str]) -> None:
-    message = "cusparseattn: running the NumPy reference on the host because cuda: " + "; ".join(reasons)
+def _choose(inputs: Inputs, op: str, backend) -> tuple[Backend, dict[str, list[str]]]:
+    """The backend that runs ``op`` on ``inputs``, and the reasons of the enabled ones it passed over."""
+    _check_op(op)
+    registered = BACKENDS
+    if backend is not None:
+        name = _name(backend)
+        _check_names([name])
+        reasons = registered[name].not_supported_reasons(inputs, op)
+        if reasons:
+            listed = "".join(f"\n  - {reason}" for reason in reasons)
+            raise ValueError(f"backend {name!r} cannot run the {op} for {inputs.describe()}:{listed}")
+        return registered[name], {}
+    selection, rejected = _current(), {}
+    for name in selection.enabled_order():
+        reasons = registered[name].not_supported_reasons(inputs, op)
+        if not reasons:
+            return registered[name], rejected
+        rejected[name] = reasons
+    lines = "".join(f"\n  {name}: " + "; ".join(reasons) for name, reasons in rejected.items())
+    if not rejected:
+        lines = f" none is enabled ({selection.by or 'no backend is registered'})"
+    raise ValueError(f"no enabled backend can run the {op} for {inputs.describe()}:{lines}")
+
+
+def select(inputs: Inputs, op: str = "forward", backend=None) -> Backend:
+    """The backend that runs ``op`` on ``inputs``: ``backend`` (a name or a registered Backend) if given,
+    which must be able to, else the first enabled one that can. Raises one ValueError with the inputs and
+    every reason when none can.
+
+    When the chosen backend is a slow fallback for these inputs (the reference, for GPU inputs: it copies
+    them to the host and the results back) and enabled backends ahead of it could not run, a RuntimeWarning
+    names their reasons, once per distinct message.
+    """
+    chosen, rejected = _choose(inputs, op, backend)
+    slow = chosen.slow_path(inputs) if rejected else None
+    if slow is not None:
+        _warn_fallback(slow, rejected)
+    return chosen
+
+
+def _warn_fallback(slow: str, rejected: dict[str, list[str]]) -> None:
+    because = ". ".join(f"{name}: " + "; ".join(reasons) for name, reasons in rejected.items())
+    message = f"cusparseattn: running {slow} because {because}"
     if message not in _warned:
         _warned.add(message)
         frame, level = sys._getframe(0), 1
-        # Point at the caller's line: the first frame outside this package and JAX (its custom_vjp machinery).
-        while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in (__package__, "jax"):
+        # Point at the caller's line: the first frame outside this package, JAX (its custom_vjp machinery)
+        # and torch (its custom-operator dispatch).
+        while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in (
+            __package__,
+            "jax",
+            "torch",
+        ):
             frame, level = frame.f_back, level + 1
         warnings.warn(message, RuntimeWarning, stacklevel=level)
 
 
-def why_not(q, k, v, layout=None, op: str = "forward", *, causal: bool = False) -> dict[str, list[str]]:
-    """For every backend, why it cannot run ``op`` on these arrays (an empty list: it can).
-
-    ``layout`` is None (dense), a Pattern or a BlockLayout, as in `cusparseattn.attention`. Backends that
-    `use_backends` has disabled in this thread say so.
-
-    >>> import numpy as np
-    >>> q = k = v = np.ones((1, 2, 16, 8), np.float32)
-    >>> "the inputs are on cpu, not on a CUDA device" in why_not(q, k, v)["cuda"]
-    True
-    """
+def _inputs_of(q, k, v, layout, op: str, causal: bool, score_mod) -> Inputs:
     from .api import _prepare
 
     _check_op(op)
     # The backward's questions are about q, k, v (dtype, head dim, device): asked before any forward.
-    inputs = _prepare(q, k, v, layout, causal=causal, scale=None)
-    enabled = _enabled()
+    return _prepare(q, k, v, layout, causal=causal, scale=None, score_mod=score_mod)
+
+
+def why_not(
+    q, k, v, layout=None, op: str = "forward", *, causal: bool = False, score_mod=None
+) -> dict[str, list[str]]:
+    """For every registered backend, in priority order, why it cannot run ``op`` on these arrays (an empty
+    list: it can). Backends that are disabled here (by `use_backends` or `activate_backend`) say so last.
+
+    ``layout`` and ``score_mod`` as in `cusparseattn.attention`: a layout is None (dense), a Pattern, a
+    BlockLayout or a mask function; a score_mod None, a function or a traced `cusparseattn.mods.score_mod`.
+
+    >>> import numpy as np
+    >>> q = k = v = np.ones((1, 2, 16, 8), np.float32)
+    >>> why = why_not(q, k, v)
+    >>> "the inputs are on cpu, not on a CUDA device" in why["cuda"], why["reference"]
+    (True, [])
+    """
+    inputs = _inputs_of(q, k, v, layout, op, causal, score_mod)
+    selection = _current()
+    enabled = selection.enabled_order()
+    registered = BACKENDS
     result = {}
-    for name, backend in BACKENDS.items():
-        reasons = backend.not_supported_reasons(inputs, op)
-        if name not in enabled:
-            reasons = [*reasons, f"disabled by use_backends({', '.join(repr(n) for n in enabled)})"]
-        result[name] = reasons
+    for name in selection.order():
+        reasons = registered[name].not_supported_reasons(inputs, op)
+        result[name] = reasons if name in enabled else [*reasons, f"disabled by {selection.by}"]
     return result
+
+
+def current_backend(
+    q, k, v, layout=None, op: str = "forward", *, causal: bool = False, score_mod=None
+) -> str:
+    """The name of the backend that automatic selection would pick for ``op`` on these arrays, here (this
+    thread's `use_backends` block or the process default). Raises the selection's ValueError when none can.
+    Arguments as in `why_not`.
+
+    >>> import numpy as np
+    >>> q = k = v = np.ones((1, 2, 16, 8), np.float32)
+    >>> current_backend(q, k, v, causal=True)
+    'reference'
+    """
+    return _choose(_inputs_of(q, k, v, layout, op, causal, score_mod), op, None)[0].name
+
+
+def _register_builtins() -> None:
+    from .torch_backends import FlexBackend, SdpaBackend
+
+    for backend in (CudaBackend(), ReferenceBackend(), FlexBackend(), SdpaBackend()):
+        register_backend(backend)
+
+
+_register_builtins()

@@ -285,3 +285,27 @@ def backward(
         splits = 2 if head_dim > 128 else 1  # the dK/dV kernel's SPLITS: halves of the head dim past 128
         grid = (tables.plan.tiles_k, heads_k * splits, batch)
         _launch("backward_dkdv", grid, tables, score, scale, tiles, dk=dk, dv=dv, **arrays)
+
+
+def classify_blocks(
+    rule, batch: int, heads: int, seq_q: int, seq_k: int, block_size: tuple[int, int], device=0
+):
+    """For a token rule with a C expression: ``(any, all)``, bool ``[batch, heads, blocks_q, blocks_k]``,
+    whether the rule lets any / every token pair of each layout block through, evaluated on the GPU (one CTA
+    per block). Returns host arrays; synchronises with the device."""
+    import cupy
+
+    bq, bk = block_size
+    shape = (batch, heads, -(-seq_q // bq), -(-seq_k // bk))
+    with cupy.cuda.Device(device):
+        function = build.load(build.RuleSpec(rule.c_expr), device)
+        any_, all_ = cupy.empty(shape, cupy.uint8), cupy.empty(shape, cupy.uint8)
+        tables = [cupy.asarray(np.ascontiguousarray(a, dtype=np.int32)) for a in rule.arrays]
+        params = np.zeros((), build.MASK_PARAMS)
+        params["any"], params["all"] = any_.data.ptr, all_.data.ptr
+        params["seq_q"], params["seq_k"], params["block_q"], params["block_k"] = seq_q, seq_k, bq, bk
+        params["blocks_q"], params["blocks_k"], params["heads"] = shape[2], shape[3], heads
+        params["rule_p"][: len(rule.params)] = rule.params
+        params["rule_a"][: len(tables)] = [a.data.ptr for a in tables]
+        function((shape[3], shape[2], batch * heads), (256, 1, 1), (params[()],))
+        return cupy.asnumpy(any_).astype(bool), cupy.asnumpy(all_).astype(bool)

@@ -45,7 +45,9 @@ _INPUTS = {"forward": ("q", "k", "v"), "backward": ("dout", "q", "k", "v", "out"
 _KERNEL_OUTPUTS = {"forward": ("out", "lse"), "backward": ("dq", "dk", "dv", "delta")}
 
 
-def attention(q, k, v, layout=None, *, causal=False, scale=None, return_lse=False, backend=None):
+def attention(
+    q, k, v, layout=None, *, causal=False, scale=None, return_lse=False, backend=None, score_mod=None
+):
     """Differentiable block-sparse attention on JAX arrays; arguments as in `cusparseattn.attention`.
 
     >>> import jax.numpy as jnp
@@ -54,8 +56,8 @@ def attention(q, k, v, layout=None, *, causal=False, scale=None, return_lse=Fals
     >>> out.dtype, lse.dtype, lse.shape
     (dtype(bfloat16), dtype('float32'), (1, 2, 40))
     """
-    inputs = api._prepare(q, k, v, layout, causal=causal, scale=scale)
-    out, lse = _differentiable(inputs.layout, inputs.scale, backend)(q, k, v)
+    inputs = api._prepare(q, k, v, layout, causal=causal, scale=scale, score_mod=score_mod)
+    out, lse = _differentiable(inputs.layout, inputs.scale, inputs.score_mod, backend)(q, k, v)
     # The lse leaves as a constant, so its cotangent in the backward is always zero.
     lse = jax.lax.stop_gradient(lse)
     return (out, lse) if return_lse else out
@@ -66,9 +68,10 @@ def _jax(x, name: str):
     return wrap(x if isinstance(x, (jax.Array, jax.core.Tracer)) else jax.numpy.asarray(x), name)
 
 
-def _differentiable(layout, scale: float, backend: str | None):
+def _differentiable(layout, scale: float, score_mod, backend: str | None):
     def forward(q, k, v):
-        return run(Inputs(_jax(q, "q"), _jax(k, "k"), _jax(v, "v"), layout, scale), "forward", backend)
+        inputs = Inputs(_jax(q, "q"), _jax(k, "k"), _jax(v, "v"), layout, scale, score_mod=score_mod)
+        return run(inputs, "forward", backend)
 
     @jax.custom_vjp
     def attend(q, k, v):
@@ -82,7 +85,8 @@ def _differentiable(layout, scale: float, backend: str | None):
         q, k, v, out, lse = (
             _jax(x, name) for name, x in zip(("q", "k", "v", "out", "lse"), saved, strict=True)
         )
-        inputs = Inputs(q, k, v, layout, scale, dout=_jax(cotangents[0], "dout"), out=out, lse=lse)
+        dout = _jax(cotangents[0], "dout")
+        inputs = Inputs(q, k, v, layout, scale, dout=dout, out=out, lse=lse, score_mod=score_mod)
         return run(inputs, "backward", backend)
 
     attend.defvjp(attend_fwd, attend_bwd)
@@ -115,30 +119,34 @@ def run(inputs: Inputs, op: str, backend: str | None) -> tuple:
             )
         if op == "backward":
             results += (jax.ShapeDtypeStruct(q.shape[:3], np.float32),)  # delta: the kernels' scratch
-        call = _Kernels(op, inputs.layout, inputs.scale, q.dtype)
+        call = _Kernels(op, inputs.layout, inputs.scale, inputs.score_mod, q.dtype)
         outputs = buffer_callback(call, results, vmap_method="sequential")(*natives)
         return tuple(outputs[:3]) if op == "backward" else tuple(outputs)
+    if chosen.name != "reference":
+        raise NotImplementedError(
+            f"backend {chosen.name!r} does not run on JAX arrays; cusparseattn.jax runs 'cuda', 'reference'"
+        )
     # The reference runs on the host: in place on XLA's CPU buffers where it can, else on copies.
     if not inputs.on_gpu and buffer_callback is not None:
-        call = _ReferenceInPlace(op, inputs.layout, inputs.scale, q.dtype)
+        call = _ReferenceInPlace(op, inputs.layout, inputs.scale, inputs.score_mod, q.dtype)
         return tuple(buffer_callback(call, results, vmap_method="sequential")(*natives))
-    call = _ReferenceOnCopies(op, inputs.layout, inputs.scale, q.dtype)
+    call = _ReferenceOnCopies(op, inputs.layout, inputs.scale, inputs.score_mod, q.dtype)
     return tuple(jax.pure_callback(call, results, *natives, vmap_method="sequential"))
 
 
 class _Pass:
     """One pass of one call, as the Python function of an XLA call (its subclasses say which kind).
 
-    Two are equal when they run the same pass on the same layout (the same object), scale and dtype: JAX
-    compiles an eager call of a primitive once per distinct parameters, the function among them, so a fresh
-    closure per call would compile again on every eager call.
+    Two are equal when they run the same pass on the same layout and score mod (the same objects), scale and
+    dtype: JAX compiles an eager call of a primitive once per distinct parameters, the function among them,
+    so a fresh closure per call would compile again on every eager call.
     """
 
-    def __init__(self, op: str, layout, scale: float, dtype: str):
-        self.op, self.layout, self.scale, self.dtype = op, layout, scale, dtype
+    def __init__(self, op: str, layout, scale: float, score_mod, dtype: str):
+        self.op, self.layout, self.scale, self.score_mod, self.dtype = op, layout, scale, score_mod, dtype
 
     def _key(self) -> tuple:
-        return (type(self), self.op, id(self.layout), self.scale, self.dtype)
+        return (type(self), self.op, id(self.layout), self.scale, id(self.score_mod), self.dtype)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, _Pass) and self._key() == other._key()
@@ -150,7 +158,9 @@ class _Pass:
         """The NumPy reference on host arrays of the pass's inputs, in `_INPUTS` order."""
         given = {name: NumpyTensor(a, name) for name, a in zip(_INPUTS[self.op], arrays, strict=True)}
         extra = {name: given[name] for name in ("dout", "out", "lse") if name in given}
-        inputs = Inputs(given["q"], given["k"], given["v"], self.layout, self.scale, **extra)
+        inputs = Inputs(
+            given["q"], given["k"], given["v"], self.layout, self.scale, score_mod=self.score_mod, **extra
+        )
         reference = backends.BACKENDS["reference"]
         results = reference.forward(inputs) if self.op == "forward" else reference.backward(inputs)
         return tuple(r.native for r in results)
@@ -175,7 +185,7 @@ class _Kernels(_Pass):
         if reasons:
             raise ValueError("the CUDA kernels cannot read XLA's buffers: " + "; ".join(reasons))
         launch = cuda.forward if self.op == "forward" else cuda.backward
-        launch(*held.values(), self.layout, self.scale)
+        launch(*held.values(), self.layout, self.scale, score_mod=self.score_mod)
 
 
 class _ReferenceInPlace(_Pass):

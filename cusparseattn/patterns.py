@@ -36,6 +36,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from .layout import MAX_ARRAYS, MAX_PARAMS, BlockLayout, TokenRule, _check_block, _is_torch
+from .mods import mask_rule
+from .trace import NotCompilable, TracedMask, TraceError
 
 _CACHE_SIZE = 64  # layouts kept per pattern (distinct length pairs)
 
@@ -947,47 +949,105 @@ def head_mix(patterns: Sequence[Pattern | None], *, block=None) -> Pattern:
     return Pattern(f"head_mix([{names}])", build, block=bs)
 
 
-def from_mask(fn: Callable, *, block=128, batch: int = 1, heads: int = 1, name: str | None = None) -> Pattern:
-    """Any token rule ``fn(b, h, q, k) -> bool array``, written with vectorised array ops.
+def from_mask(
+    fn: Callable, *, block=128, batch: int | None = None, heads: int | None = None, name: str | None = None
+) -> Pattern:
+    """Any token rule ``fn(b, h, q, k) -> bool`` (a FlexAttention ``mask_mod``), as a pattern.
 
-    The layout evaluates ``fn`` on every token pair, a band of query blocks at a time: O(seq_q * seq_k)
+    ``fn`` is traced when it can be (Python operators, captured arrays and the functions of
+    `cusparseattn.mods`; see `cusparseattn.mods.mask_rule`): the kernels then compile its C expression, and
+    new captured values (a window, document ids) never recompile. Otherwise (``np.*`` calls, say) it is
+    called on NumPy index arrays, and the kernels get its partial blocks as bit masks.
+
+    The layout evaluates the rule on every token pair, a band of query blocks at a time: O(seq_q * seq_k)
     evaluations but O(band * seq_k) memory, never a seq_q x seq_k mask. ``batch`` and ``heads`` are the
-    batch elements and query heads to evaluate; when ``fn``'s result does not vary along one of them (it
-    broadcasts with size 1 there), the layout shares it. Write ``fn`` with Python operators and indexing
-    only, and ``to_flex`` can hand it to FlexAttention too.
+    batch elements and query heads to evaluate (1 when not given); when the rule does not vary along one of
+    them, the layout shares it. A traced rule that uses ``b`` or ``h`` needs ``batch`` or ``heads``.
 
     >>> lay = from_mask(lambda b, h, q, k: (q >= k) & (q - k < 64), block=32).layout(256)
-    >>> lay == local(64, block=32).layout(256)
-    True
+    >>> lay == local(64, block=32).layout(256), lay.rule.c_expr
+    (True, '((q >= k) && ((q - k) < P0))')
     """
     bs = _block_pair(block)
-    nbatch, nheads = _positive("batch", batch), _positive("heads", heads)
+    nbatch = 1 if batch is None else _positive("batch", batch)
+    nheads = 1 if heads is None else _positive("heads", heads)
     label = name or getattr(fn, "__name__", "mask")
-    rule = TokenRule(label, fn)
+    rule = _traced_rule(fn, label)
+    if rule is None:
+        rule = fn if isinstance(fn, TokenRule) else TokenRule(label, fn)
+    else:
+        for var, arg, given, what in (
+            ("b", "batch", batch, "batch element"),
+            ("h", "heads", heads, "query head"),
+        ):
+            if var in rule.fn.variables and given is None:
+                raise ValueError(
+                    f"from_mask: the mask function {label!r} uses {var} (the {what}), so {arg} must be "
+                    f"given: pass {arg}=<number of {what}s> (with the default of 1, every {what} would share "
+                    f"the blocks of {var} = 0)"
+                )
 
     def build(sq, sk):
-        (bq, bk), nq, nk = bs, -(-sq // bs[0]), -(-sk // bs[1])
-        b = np.arange(nbatch)[:, None, None, None]
-        h = np.arange(nheads)[None, :, None, None]
-        kraw = np.arange(nk * bk)[None, None, None, :]
-        k = np.minimum(kraw, sk - 1)
-        band = max(1, (1 << 24) // (nbatch * nheads * bq * nk * bk))
-        any_parts, all_parts = [], []
-        for r0 in range(0, nq, band):  # bands of query blocks; everything inside a band is vectorised
-            r1 = min(nq, r0 + band)
-            qraw = np.arange(r0 * bq, r1 * bq)[None, None, :, None]
-            m = np.asarray(fn(b, h, np.minimum(qraw, sq - 1), k), dtype=bool)
-            valid = (qraw < sq) & (kraw < sk)
-            shape = np.broadcast_shapes(m.shape, valid.shape)
-            m, valid = np.broadcast_to(m, shape), np.broadcast_to(valid, shape)
-            view = (shape[0], shape[1], r1 - r0, bq, nk, bk)
-            any_parts.append((m & valid).reshape(view).any(axis=(3, 5)))
-            all_parts.append((m | ~valid).reshape(view).all(axis=(3, 5)))
-        any_ = np.concatenate(any_parts, axis=2)
-        all_ = np.concatenate(all_parts, axis=2)
+        any_, all_ = _classify_blocks(rule, nbatch, nheads, sq, sk, bs)
         return _classified(any_, all_, rule, bs, sq, sk, exact=True)
 
     return Pattern(f"from_mask({label}, block={block})", build, block=bs)
+
+
+def _traced_rule(fn, label: str) -> TokenRule | None:
+    """``fn`` traced into a rule with a C expression, or None when it cannot be traced or compiled."""
+    if isinstance(fn, TokenRule):
+        return None
+    try:
+        rule = mask_rule(fn, name=label)
+    except (TraceError, NotCompilable):
+        return None
+    return rule if isinstance(rule.fn, TracedMask) else None
+
+
+# Token pairs from which a rule with a C expression is classified on the GPU (one kernel per rule structure,
+# compiled once) rather than with NumPy on the host.
+GPU_CLASSIFY_PAIRS = 1 << 26
+
+
+def _gpu() -> bool:
+    from . import backends
+
+    cuda = backends.CudaBackend._module()
+    return cuda is not None and not cuda.available()
+
+
+def _classify_blocks(rule, batch: int, heads: int, seq_q: int, seq_k: int, block_size: tuple[int, int]):
+    """Per block ``[B|1, H|1, nQ, nK]``: does some token pair attend (``any_``), does every pair (``all_``).
+
+    Evaluates ``rule`` on every pair: on the GPU when there is one and the rule has a C expression (large
+    layouts only), else in bands of query blocks (vectorised inside a band). The batch and head axes stay 1
+    where the rule's result does not vary along them.
+    """
+    if rule.c_expr is not None and batch * heads * seq_q * seq_k >= GPU_CLASSIFY_PAIRS and _gpu():
+        from . import cuda
+
+        uses = getattr(rule.fn, "variables", {"b", "h"})
+        nb, nh = (batch if "b" in uses else 1), (heads if "h" in uses else 1)
+        return cuda.classify_blocks(rule, nb, nh, seq_q, seq_k, block_size)
+    (bq, bk), nq, nk = block_size, -(-seq_q // block_size[0]), -(-seq_k // block_size[1])
+    b = np.arange(batch)[:, None, None, None]
+    h = np.arange(heads)[None, :, None, None]
+    kraw = np.arange(nk * bk)[None, None, None, :]
+    k = np.minimum(kraw, seq_k - 1)
+    band = max(1, (1 << 24) // (batch * heads * bq * nk * bk))
+    any_parts, all_parts = [], []
+    for r0 in range(0, nq, band):  # bands of query blocks; everything inside a band is vectorised
+        r1 = min(nq, r0 + band)
+        qraw = np.arange(r0 * bq, r1 * bq)[None, None, :, None]
+        m = np.asarray(rule(b, h, np.minimum(qraw, seq_q - 1), k), dtype=bool)
+        valid = (qraw < seq_q) & (kraw < seq_k)
+        shape = np.broadcast_shapes(m.shape, valid.shape)
+        m, valid = np.broadcast_to(m, shape), np.broadcast_to(valid, shape)
+        view = (shape[0], shape[1], r1 - r0, bq, nk, bk)
+        any_parts.append((m & valid).reshape(view).any(axis=(3, 5)))
+        all_parts.append((m | ~valid).reshape(view).all(axis=(3, 5)))
+    return np.concatenate(any_parts, axis=2), np.concatenate(all_parts, axis=2)
 
 
 def from_blocks(blocks, *, block=128) -> Pattern:

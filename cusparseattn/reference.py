@@ -1,9 +1,10 @@
 """The NumPy reference: block-sparse attention forward and backward, the oracle of every test.
 
-It computes the same function as the kernels: ``S = scale * q @ k^T`` masked by the layout (blocks, and the
-token rule inside partial blocks only), a softmax in float32 (float64 on request), ``out = P @ v`` and the
-natural-log log-sum-exp of each row. The backward is the flash-attention one: it recomputes
-``P = exp(S - lse)`` and uses ``delta = rowsum(dout * out)``.
+It computes the same function as the kernels: ``S = scale * q @ k^T``, modified by an optional score_mod
+(`cusparseattn.mods`), masked by the layout (blocks, and the token rule inside partial blocks only), a
+softmax in float32 (float64 on request), ``out = P @ v`` and the natural-log log-sum-exp of each row. The
+backward is the flash-attention one: it recomputes ``P = exp(S - lse)`` and uses ``delta = rowsum(dout *
+out)``.
 
 Memory stays bounded: query rows are processed in bands, and each band gathers only the key blocks that its
 block rows set, so a sparse layout costs proportionally less and no ``Sq x Sk`` array is ever built. A
@@ -31,6 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from .layout import BlockLayout
+from .trace import ScoreMod
 
 # Bytes of one band's score tensor in the working precision (the largest temporary; forward keeps about two
 # of these alive, backward about three). Tests lower it to exercise the banding.
@@ -40,12 +42,16 @@ _DTYPES = {np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16, np.float32, np.
 _PRECISIONS = {np.dtype(np.float32), np.dtype(np.float64)}
 
 
-def forward(q, k, v, layout: BlockLayout, *, scale=None, precision=np.float32):
+def forward(q, k, v, layout: BlockLayout, *, scale=None, precision=np.float32, score_mod=None):
     """Block-sparse attention: ``(out, lse)`` for ``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, Sk, D]``.
 
     Query head ``h`` uses key/value head ``h // (Hq // Hkv)``. Inputs are upcast exactly to ``precision``
     (float32 or float64), ``out`` is rounded once to the inputs' dtype; ``lse [B, Hq, Sq]`` has the dtype of
-    ``precision``. Empty rows give ``out = 0`` and ``lse = -inf``.
+    ``precision``. Empty rows (every score masked, or modified to -inf) give ``out = 0`` and ``lse = -inf``.
+
+    ``score_mod`` (a `cusparseattn.trace.ScoreMod` or a function to trace) replaces each scaled score ``s``
+    by ``score_mod(s, b, h, q, k)`` before the mask (``h`` the query head, ``q, k`` global positions: the
+    layout's ``origin`` added); the lse is over the modified scores.
 
     >>> import numpy as np
     >>> from cusparseattn.layout import BlockLayout
@@ -61,12 +67,16 @@ def forward(q, k, v, layout: BlockLayout, *, scale=None, precision=np.float32):
     q, k, v = _check_qkv(q, k, v)
     _check_layout(layout, q.shape, k.shape)
     scale = _scale(scale, q.shape[-1])
+    mod = _score_mod(score_mod)
     qp, kp, vp = (np.ascontiguousarray(x, dtype=prec) for x in (q, k, v))
     out = np.zeros(q.shape, dtype=prec)
     lse = np.full(q.shape[:3], -np.inf, dtype=prec)
     for c in _chunks(layout, q.shape, k.shape[1], prec.itemsize):
         rows, keys = c.rows, c.keys
-        s = _scores(qp[rows], kp[keys], scale, c.mask)
+        s = _scores(qp[rows], kp[keys], scale)
+        if mod is not None:
+            s = mod.evaluate(s, *_positions(c, layout))
+        np.copyto(s, -np.inf, where=~c.mask)
         m = s.max(axis=-1, keepdims=True)
         # An empty row has max -inf: shift it by 0 instead, so exp gives 0 and never exp(-inf - -inf) = NaN.
         m[m == -np.inf] = 0
@@ -82,13 +92,17 @@ def forward(q, k, v, layout: BlockLayout, *, scale=None, precision=np.float32):
     return out.astype(q.dtype), lse
 
 
-def backward(dout, q, k, v, out, lse, layout: BlockLayout, *, scale=None, precision=np.float32):
+def backward(
+    dout, q, k, v, out, lse, layout: BlockLayout, *, scale=None, precision=np.float32, score_mod=None
+):
     """Gradients ``(dq, dk, dv)`` of block-sparse attention, given the forward's ``out`` and ``lse``.
 
     Flash-attention math: ``P = exp(S - lse)``, ``dV = P^T dO``, ``dP = dO V^T``, ``delta = rowsum(dO * O)``
     (from ``out`` as given), ``dS = P * (dP - delta)``, ``dQ = scale * dS K``, ``dK = scale * dS^T Q``; with
     GQA, ``dk`` and ``dv`` sum over the query heads of each group. Rows with ``lse = -inf`` contribute
-    nothing. Each gradient has the dtype of its input.
+    nothing. Each gradient has the dtype of its input. With a ``score_mod`` (as in `forward`), ``S`` is the
+    modified score and ``dS`` is multiplied by the mod's derivative at the raw scaled score (0 where ``P`` is
+    0, never NaN).
 
     >>> import numpy as np
     >>> from cusparseattn.layout import BlockLayout
@@ -107,6 +121,7 @@ def backward(dout, q, k, v, out, lse, layout: BlockLayout, *, scale=None, precis
         if arr.shape != shape:
             raise ValueError(f"{name} must have shape {shape} (from q), got {arr.shape}")
     scale = _scale(scale, q.shape[-1])
+    mod = _score_mod(score_mod)
     qp, kp, vp, dop = (np.ascontiguousarray(x, dtype=prec) for x in (q, k, v, dout))
     delta = np.einsum("bhsd,bhsd->bhs", dop, out.astype(prec, copy=False))
     # P = exp(S - lse): an lse of -inf (empty row) becomes +inf so that P is 0 even where S is -inf.
@@ -115,23 +130,31 @@ def backward(dout, q, k, v, out, lse, layout: BlockLayout, *, scale=None, precis
     for c in _chunks(layout, q.shape, k.shape[1], prec.itemsize):
         rows, keys, hkv = c.rows, c.keys, c.k1 - c.k0
         qc, doc, kc, vc = qp[rows], dop[rows], kp[keys], vp[keys]
-        s = _scores(qc, kc, scale, c.mask)
+        s = _scores(qc, kc, scale)
+        if mod is not None:
+            positions = _positions(c, layout)
+            slope = mod.grad(s, *positions)
+            s = mod.evaluate(s, *positions)
+        np.copyto(s, -np.inf, where=~c.mask)
         s -= lse_p[rows][..., None]
         p = np.exp(s, out=s)
         dv[keys] += _grouped_t(p, doc, hkv)
         ds = _grouped(doc, vc.swapaxes(-1, -2))
         ds -= delta[rows][..., None]
         ds *= p
+        if mod is not None:  # only where P > 0: the derivative may be inf or NaN where the pair is masked
+            np.multiply(ds, slope, out=ds, where=p > 0)
         dq[rows] = scale * _grouped(ds, kc)
         dk[keys] += scale * _grouped_t(ds, qc, hkv)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def dense_forward(q, k, v, mask, *, scale=None, precision=np.float64):
+def dense_forward(q, k, v, mask, *, scale=None, precision=np.float64, score_mod=None):
     """Plain masked softmax attention with a full token mask ``[B|1, H|1, Sq, Sk]``: the oracle of the oracle.
 
     Written as directly as possible (GQA by repeating k/v heads, the whole ``Sq x Sk`` score matrix), for
-    tests at small sizes. Same contract as `forward`.
+    tests at small sizes. Same contract as `forward`, except that ``score_mod`` is called as a plain function
+    on NumPy arrays ``(scores, b, h, q, k)``, not traced.
 
     >>> import numpy as np
     >>> q = k = v = np.random.default_rng(0).standard_normal((1, 1, 8, 4))
@@ -152,7 +175,11 @@ def dense_forward(q, k, v, mask, *, scale=None, precision=np.float64):
         ) from None
     qp = q.astype(prec)
     kp, vp = (np.repeat(x.astype(prec), hq // hkv, axis=1) for x in (k, v))
-    s = np.where(mask, scale * (qp @ kp.swapaxes(-1, -2)), -np.inf)
+    s = scale * (qp @ kp.swapaxes(-1, -2))
+    if score_mod is not None:
+        b_idx, h_idx = np.arange(b)[:, None, None, None], np.arange(hq)[None, :, None, None]
+        s = np.asarray(score_mod(s, b_idx, h_idx, np.arange(sq)[:, None], np.arange(sk)[None, :]), dtype=prec)
+    s = np.where(mask, s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
     m = np.where(m == -np.inf, 0, m)
     p = np.exp(s - m)
@@ -215,6 +242,12 @@ def _check_layout(layout, q_shape, k_shape) -> None:
 
 def _scale(scale, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def _score_mod(score_mod) -> ScoreMod | None:
+    if score_mod is None or isinstance(score_mod, ScoreMod):
+        return score_mod
+    return ScoreMod.trace(score_mod)
 
 
 # ---- the banded walk ---------------------------------------------------------------------------------------
@@ -319,12 +352,22 @@ def _band_mask(layout, blocks, partial, b_idx, h_idx, rows, cols) -> np.ndarray:
 # ---- tile algebra ------------------------------------------------------------------------------------------
 
 
-def _scores(qc, kc, scale: float, mask) -> np.ndarray:
-    """``scale * q @ k^T`` with GQA, -inf where ``mask`` is False (a fresh array the caller may overwrite)."""
+def _scores(qc, kc, scale: float) -> np.ndarray:
+    """``scale * q @ k^T`` with GQA (a fresh array the caller may overwrite)."""
     s = _grouped(qc, kc.swapaxes(-1, -2))
     s *= scale
-    np.copyto(s, -np.inf, where=~mask)
     return s
+
+
+def _positions(c: _Chunk, layout: BlockLayout) -> tuple:
+    """The chunk's batch, query-head, global query and global key indices, broadcasting against its scores."""
+    q0, k0 = getattr(layout, "origin", (0, 0))
+    return (
+        np.arange(c.b0, c.b1)[:, None, None, None],
+        np.arange(c.h0, c.h1)[None, :, None, None],
+        np.arange(c.r0 + q0, c.r1 + q0)[:, None],
+        (c.cols + k0)[None, :],
+    )
 
 
 def _grouped(a: np.ndarray, b: np.ndarray) -> np.ndarray:

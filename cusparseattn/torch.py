@@ -38,49 +38,52 @@ import torch
 from . import api, backends
 from .arrays import FixedTensor, torch_device, torch_dtype_name
 from .backends import Inputs
-from .layout import BlockLayout
 
 
-class _LayoutRegistry:
-    """Integer keys for layouts, which custom operators cannot take as arguments.
+class _Registry:
+    """Integer keys for layouts and score mods, which custom operators cannot take as arguments.
 
-    A layout keeps its key while it lives (the same object, the same key: a compiled graph that holds the key
-    as a constant stays valid); the registry holds it weakly, so a layout nobody else holds is dropped.
-    Keys are never reused.
+    An object keeps its key while it lives (the same object, the same key: a compiled graph that holds the
+    key as a constant stays valid); the registry holds it weakly, so an object nobody else holds is dropped.
+    Keys are never reused; -1 stands for None.
     """
 
     def __init__(self):
         self._lock = threading.Lock()
         self._count = itertools.count()
-        self._keys: dict[int, int] = {}  # id(layout) -> key, while the layout lives
-        self._layouts: weakref.WeakValueDictionary[int, BlockLayout] = weakref.WeakValueDictionary()
+        self._keys: dict[int, int] = {}  # id(object) -> key, while the object lives
+        self._objects: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()
 
-    def key(self, layout: BlockLayout) -> int:
+    def key(self, obj) -> int:
+        if obj is None:
+            return -1
         with self._lock:
-            key = self._keys.get(id(layout))
-            if key is None or self._layouts.get(key) is not layout:
+            key = self._keys.get(id(obj))
+            if key is None or self._objects.get(key) is not obj:
                 key = next(self._count)
-                self._keys[id(layout)] = key
-                self._layouts[key] = layout
-                # Runs as the layout dies, before its id can be reused; pop() needs no lock (atomic).
-                weakref.finalize(layout, self._keys.pop, id(layout), None)
+                self._keys[id(obj)] = key
+                self._objects[key] = obj
+                # Runs as the object dies, before its id can be reused; pop() needs no lock (atomic).
+                weakref.finalize(obj, self._keys.pop, id(obj), None)
             return key
 
-    def layout(self, key: int) -> BlockLayout:
-        layout = self._layouts.get(key)
-        if layout is None:
+    def get(self, key: int):
+        if key == -1:
+            return None
+        obj = self._objects.get(key)
+        if obj is None:
             raise RuntimeError(
-                f"cusparseattn: layout key {key} names no live layout; keys come from cusparseattn.torch."
-                "attention, which keeps each layout alive as long as the autograd graph or compiled code "
-                "that uses it"
+                f"cusparseattn: key {key} names no live layout or score mod; keys come from "
+                "cusparseattn.torch.attention, which keeps each object alive as long as the autograd graph "
+                "or compiled code that uses it"
             )
-        return layout
+        return obj
 
     def __len__(self) -> int:
-        return len(self._layouts)
+        return len(self._objects)
 
 
-_LAYOUTS = _LayoutRegistry()
+_OBJECTS = _Registry()
 
 
 class _Described(FixedTensor):
@@ -130,13 +133,15 @@ def _describe(t):
 
 
 @torch.compiler.assume_constant_result
-def _plan(layout, causal, backend, backward, q, k, v):
-    """Validate one call from its arguments and tensor descriptions: ``(layout key, default scale, layout,
-    error)``, where ``error`` is None or the ``(exception type name, message)`` that the caller raises.
+def _plan(layout, score_mod, causal, backend, backward, q, k, v):
+    """Validate one call from its arguments and tensor descriptions: ``(layout key, score mod key, default
+    scale, (layout, score mod), error)``, where ``error`` is None or the ``(exception type name, message)``
+    that the caller raises.
 
     ``torch.compile`` runs this once while it traces (the result depends on the arguments alone, which it
-    guards) and keeps the result, whose layout then lives as long as the compiled code. The caller raises the
-    error so that it is an exception of the traced code, which eager PyTorch then raises as it is.
+    guards) and keeps the result, whose layout and score mod then live as long as the compiled code. The
+    caller raises the error so that it is an exception of the traced code, which eager PyTorch then raises
+    as it is.
     """
     try:
         holders = []
@@ -147,13 +152,16 @@ def _plan(layout, causal, backend, backward, q, k, v):
                     "framework"
                 )
             holders.append(_Described(name, *x))
-        inputs = api._prepare(*holders, _dereference(layout), causal=causal, scale=None)
+        inputs = api._prepare(
+            *holders, _dereference(layout), causal=causal, scale=None, score_mod=_dereference(score_mod)
+        )
         backends.select(inputs, "forward", backend)
         if backend is not None and backward:
             backends.select(inputs, "backward", backend)  # a forced backend must run the backward: say so now
     except (TypeError, ValueError) as err:
-        return None, None, None, ("TypeError" if isinstance(err, TypeError) else "ValueError", str(err))
-    return _LAYOUTS.key(inputs.layout), inputs.scale, inputs.layout, None
+        return None, None, None, None, ("TypeError" if isinstance(err, TypeError) else "ValueError", str(err))
+    held = (inputs.layout, inputs.score_mod)
+    return _OBJECTS.key(inputs.layout), _OBJECTS.key(inputs.score_mod), inputs.scale, held, None
 
 
 _ERRORS = {"TypeError": TypeError, "ValueError": ValueError}
@@ -173,7 +181,17 @@ def _scale(scale, default: float) -> float:
 
 
 def attention(
-    q, k, v, layout=None, *, causal=False, scale=None, return_lse=False, backend=None, recompute=False
+    q,
+    k,
+    v,
+    layout=None,
+    *,
+    causal=False,
+    scale=None,
+    return_lse=False,
+    backend=None,
+    score_mod=None,
+    recompute=False,
 ):
     """Differentiable block-sparse attention on torch tensors; arguments as in `cusparseattn.attention`.
 
@@ -189,22 +207,32 @@ def attention(
     backward = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)
     )
-    key, default_scale, _, error = _plan(
-        _by_reference(layout), causal, backend, backward, _describe(q), _describe(k), _describe(v)
+    layout_key, score_key, default_scale, _, error = _plan(
+        _by_reference(layout),
+        _by_reference(score_mod),
+        causal,
+        backend,
+        backward,
+        _describe(q),
+        _describe(k),
+        _describe(v),
     )
     if error is not None:
         raise _ERRORS[error[0]](error[1])
     scale = _scale(scale, default_scale)
-    out, lse = torch.ops.cusparseattn.attention_forward(q, k, v, key, scale, backend, recompute)
+    out, lse = torch.ops.cusparseattn.attention_forward(
+        q, k, v, layout_key, score_key, scale, backend, recompute
+    )
     return (out, lse) if return_lse else out
 
 
 # ---- the operators -----------------------------------------------------------------------------------------
 
 
-def _inputs(q, k, v, layout_key: int, scale: float, **extra) -> Inputs:
+def _inputs(q, k, v, layout_key: int, score_key: int, scale: float, **extra) -> Inputs:
     """One operator call's arguments, checked as `attention` checks them: the operators are public too."""
-    return api._prepare(q, k, v, _LAYOUTS.layout(layout_key), causal=False, scale=scale, **extra)
+    layout, score_mod = _OBJECTS.get(layout_key), _OBJECTS.get(score_key)
+    return api._prepare(q, k, v, layout, causal=False, scale=scale, score_mod=score_mod, **extra)
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -217,18 +245,19 @@ def _forward(
     k: torch.Tensor,
     v: torch.Tensor,
     layout_key: int,
+    score_key: int,
     scale: float,
     backend: str | None,
     recompute: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``, contiguous. ``recompute`` changes only what autograd saves for the backward."""
-    inputs = _inputs(q, k, v, layout_key, scale)
+    inputs = _inputs(q, k, v, layout_key, score_key, scale)
     out, lse = backends.select(inputs, "forward", backend).forward(inputs)
     return out.native.contiguous(), lse.native.contiguous()
 
 
 @_forward.register_fake
-def _forward_fake(q, k, v, layout_key, scale, backend, recompute):
+def _forward_fake(q, k, v, layout_key, score_key, scale, backend, recompute):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
 
 
@@ -241,38 +270,39 @@ def _backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     layout_key: int,
+    score_key: int,
     scale: float,
     backend: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``, contiguous, from ``dout``, the gradient of the loss with respect to ``out``."""
     if dout.stride(-1) != 1:
         dout = dout.contiguous()  # e.g. the stride-0 ones that out.sum().backward() sends
-    inputs = _inputs(q, k, v, layout_key, scale, dout=dout, out=out, lse=lse)
+    inputs = _inputs(q, k, v, layout_key, score_key, scale, dout=dout, out=out, lse=lse)
     grads = backends.select(inputs, "backward", backend).backward(inputs)
     return tuple(g.native.contiguous() for g in grads)
 
 
 @_backward.register_fake
-def _backward_fake(dout, q, k, v, out, lse, layout_key, scale, backend):
+def _backward_fake(dout, q, k, v, out, lse, layout_key, score_key, scale, backend):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, layout_key, scale, backend, recompute = inputs
+    q, k, v, layout_key, score_key, scale, backend, recompute = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
-    ctx.layout_key, ctx.scale, ctx.backend, ctx.recompute = layout_key, scale, backend, recompute
-    ctx.layout = _LAYOUTS.layout(layout_key)  # keeps the layout alive until the backward has run
+    ctx.args, ctx.recompute = (layout_key, score_key, scale, backend), recompute
+    # Keeps the layout and score mod alive until the backward has run.
+    ctx.held = (_OBJECTS.get(layout_key), _OBJECTS.get(score_key))
     ctx.save_for_backward(*((q, k, v) if recompute else (q, k, v, out, lse)))
 
 
 def _autograd_backward(ctx, dout, _dlse):
     q, k, v, *saved = ctx.saved_tensors
-    args = (ctx.layout_key, ctx.scale, ctx.backend)
     if ctx.recompute:
-        saved = torch.ops.cusparseattn.attention_forward(q, k, v, *args, False)
-    dq, dk, dv = torch.ops.cusparseattn.attention_backward(dout, q, k, v, *saved, *args)
-    return dq, dk, dv, None, None, None, None
+        saved = torch.ops.cusparseattn.attention_forward(q, k, v, *ctx.args, False)
+    dq, dk, dv = torch.ops.cusparseattn.attention_backward(dout, q, k, v, *saved, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -291,10 +321,12 @@ class SparseAttention(torch.nn.Module):
     torch.Size([2, 4, 100, 16])
     """
 
-    def __init__(self, layout=None, *, causal=False, scale=None, backend=None, recompute=False):
+    def __init__(
+        self, layout=None, *, causal=False, scale=None, backend=None, score_mod=None, recompute=False
+    ):
         super().__init__()
         self.layout, self.causal, self.scale = layout, causal, scale
-        self.backend, self.recompute = backend, recompute
+        self.backend, self.score_mod, self.recompute = backend, score_mod, recompute
 
     def forward(self, q, k, v):
         return attention(
@@ -305,11 +337,12 @@ class SparseAttention(torch.nn.Module):
             causal=self.causal,
             scale=self.scale,
             backend=self.backend,
+            score_mod=self.score_mod,
             recompute=self.recompute,
         )
 
     def extra_repr(self) -> str:
         return (
             f"layout={self.layout!r}, causal={self.causal}, scale={self.scale}, backend={self.backend!r}, "
-            f"recompute={self.recompute}"
+            f"score_mod={self.score_mod!r}, recompute={self.recompute}"
         )

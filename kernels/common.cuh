@@ -11,6 +11,8 @@
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
 
+#include "rule.cuh"
+
 // NVRTC has no <math.h>: +inf as a bit pattern.
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
@@ -354,13 +356,6 @@ __device__ __forceinline__ unsigned long long mask_bits(const Params& p, int pid
 }
 
 // ---- score mods ---------------------------------------------------------------------------------------------
-// Python's floor division and modulo (C's / and % truncate toward zero), for traced expressions.
-__device__ __forceinline__ long long floordiv(long long a, long long b) {
-    const long long q = a / b;
-    return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
-}
-__device__ __forceinline__ long long floormod(long long a, long long b) { return a - floordiv(a, b) * b; }
-
 // The global (query, key) positions of element [n][j] of a warp's 16 x COLS accumulator tile: rows are queries
 // (or keys when TRANSPOSED) from row0 of the tile at (q_tile0, k_tile0); the layout's origin is added, so the
 // window of a longer sequence sees that sequence's positions.
@@ -394,7 +389,7 @@ __device__ __forceinline__ void apply_score_mod(const Params& p, float (&s)[COLS
     for (int n = 0; n < COLS / 8; ++n)
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-            s[n][j] = CSA_SCORE(s[n][j] * p.scale, (long long)b, (long long)h, pos.q(n, j), pos.k(n, j));
+            s[n][j] = CSA_SCORE((s[n][j] * p.scale), (long long)b, (long long)h, pos.q(n, j), pos.k(n, j));
 #endif
 }
 

@@ -198,7 +198,11 @@ ERRORS = [
         ValueError,
         r"pattern.layout\(64, 64\), or pass the Pattern",
     ),
-    ({"backend": "triton"}, ValueError, "backend must be one of 'cuda', 'reference', got 'triton'"),
+    (
+        {"backend": "triton"},
+        ValueError,
+        "backend must be one of 'cuda', 'reference', 'flex', 'sdpa', got 'triton'",
+    ),
     (
         {"backend": "cuda"},
         ValueError,

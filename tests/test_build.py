@@ -90,7 +90,7 @@ def test_every_device_gets_tiles_that_fit(kernel, max_shared):
 
 
 def test_shared_memory_fits_a_hopper_sm():
-    for spec in build.all_specs():
+    for spec in filter(lambda s: isinstance(s, build.KernelSpec), build.all_specs()):
         assert spec.shared_bytes <= 227 * 1024, spec.name
         assert f"#define SHARED_BYTES {spec.shared_bytes}" in spec.prelude()
 
@@ -106,3 +106,12 @@ def test_every_specialisation_compiles_for_sm80_and_sm90_without_spills(capsys):
 def test_params_pack_as_one_struct():
     params = np.zeros((), build.PARAMS)
     assert build.PARAMS.isalignedstruct and params.nbytes == build.PARAMS.itemsize
+
+
+def test_rule_spec_source():
+    spec = build.RuleSpec("csa::floordiv(q, P0) == csa::floordiv(k, P0)")
+    source = spec.source()
+    assert "#define CSA_RULE(b, h, q, k) (csa::floordiv(q, P0) == csa::floordiv(k, P0))" in source
+    assert "long long floordiv" in source and '#include "' not in source
+    assert spec.name != build.RuleSpec("q >= k").name
+    assert build.MASK_PARAMS.isalignedstruct and "rule_a" in build.MASK_PARAMS.names

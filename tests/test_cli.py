@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import cusparseattn
-from cusparseattn import cuda
+from cusparseattn import backends, cuda
 from cusparseattn.__main__ import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,10 +40,56 @@ def test_info_runs():
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert f"cusparseattn {cusparseattn.__version__}" in out and "numpy: " in out and "jax: " in out
-    assert "backends, in priority order: " in out
+    assert "backends, in priority order: cuda, reference, flex, sdpa\n" in out
     assert "  reference: can run" in out
     if cuda.available():
         assert "GPU: none usable" in out and "  cuda: cannot run: " in out
+
+
+def test_info_describes_every_backend_and_what_it_can_run(capsys):
+    torch = pytest.importorskip("torch")
+    assert main(["info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for name, backend in backends.BACKENDS.items():
+        line = next(line for line in lines if line.startswith(f"  {name}: {backend.description}; "))
+        missing = backend.available()
+        assert line.endswith("available here" if not missing else "not available here: " + "; ".join(missing))
+    where = "cuda" if not cuda.available() and torch.cuda.is_available() else "cpu"
+    assert f"q, k, v float16 [1, 4, 256, 64], torch tensors on {where}:" in lines
+    assert "  sdpa: can run" in lines
+    if where == "cpu":
+        reason = f"FlexAttention has no backward on the CPU (torch {torch.__version__})"
+        assert f"  flex: forward can run; backward cannot run: {reason}" in lines
+        assert lines.count("  chosen: reference (forward), reference (backward)") == 3
+    else:
+        assert "  chosen: cuda (forward), cuda (backward)" in lines
+
+
+def test_info_without_pytorch_uses_numpy_and_says_why(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` fails as if it were not installed
+    assert main(["info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "torch: not installed" in lines
+    assert any(
+        line.startswith("  sdpa: PyTorch's ")
+        and line.endswith("not available here: PyTorch is not installed")
+        for line in lines
+    )
+    kind = "numpy arrays" if cuda.available() else "cupy arrays"
+    assert f"q, k, v float32 [1, 4, 256, 64], {kind}:" in lines
+    assert "  flex: cannot run: PyTorch is not installed" in lines
+
+
+def test_info_marks_disabled_backends(monkeypatch, capsys):
+    monkeypatch.setattr(backends, "_default", backends._INITIAL)
+    backends.activate_backend("reference")
+    assert main(["info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "backends, in priority order: reference" in lines
+    assert any(line.startswith("  cuda (disabled): the CUDA kernels") for line in lines)
+    assert "  cuda: cannot run: " in "\n".join(
+        lines
+    ) and "disabled by activate_backend('reference')" in "\n".join(lines)
 
 
 @pytest.mark.parametrize(

@@ -267,8 +267,8 @@ def spy_on_cuda(monkeypatch, reasons=()):
         return list(reasons)
 
     monkeypatch.setattr(cuda, "tensor_reasons", check)
-    monkeypatch.setattr(cuda, "forward", lambda *args: calls.__setitem__("forward", args))
-    monkeypatch.setattr(cuda, "backward", lambda *args: calls.__setitem__("backward", args))
+    monkeypatch.setattr(cuda, "forward", lambda *args, score_mod: calls.__setitem__("forward", args))
+    monkeypatch.setattr(cuda, "backward", lambda *args, score_mod: calls.__setitem__("backward", args))
     return calls
 
 
@@ -285,7 +285,7 @@ def test_kernel_pass_lends_xla_buffers_and_stream_to_the_kernels(monkeypatch):
          ("dv", kv4), ("delta", row)]
     )}  # fmt: skip
 
-    ca_jax._Kernels("forward", lay, 0.25, "bfloat16")(
+    ca_jax._Kernels("forward", lay, 0.25, None, "bfloat16")(
         FakeContext(), (bufs["out"], bufs["lse"]), *(bufs[n] for n in "qkv")
     )
     *holders, layout, scale = calls["forward"]
@@ -300,7 +300,9 @@ def test_kernel_pass_lends_xla_buffers_and_stream_to_the_kernels(monkeypatch):
 
     order = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "delta")
     outputs = tuple(bufs[n] for n in ("dq", "dk", "dv", "delta"))
-    ca_jax._Kernels("backward", lay, 0.25, "float16")(FakeContext(), outputs, *(bufs[n] for n in order[:6]))
+    ca_jax._Kernels("backward", lay, 0.25, None, "float16")(
+        FakeContext(), outputs, *(bufs[n] for n in order[:6])
+    )
     *holders, layout, scale = calls["backward"]
     assert [h.name for h in holders] == list(order) and (layout, scale) == (lay, 0.25)
     assert calls["checked"] == list(order[:6])  # the inputs; XLA allocates the outputs
@@ -316,23 +318,23 @@ def test_kernel_pass_refuses_buffers_the_kernels_cannot_read(monkeypatch):
     with pytest.raises(
         ValueError, match="the CUDA kernels cannot read XLA's buffers: q's data is not 16-byte"
     ):
-        ca_jax._Kernels("forward", lay, 0.5, "float16")(FakeContext(), (q, lse), q, q, q)
+        ca_jax._Kernels("forward", lay, 0.5, None, "float16")(FakeContext(), (q, lse), q, q, q)
     assert "forward" not in calls
 
 
 def test_passes_are_equal_for_the_same_layout_object_only():
     lay = patterns.causal().layout(24)
-    same = ca_jax._Kernels("forward", lay, 0.5, "float16")
-    assert same == ca_jax._Kernels("forward", lay, 0.5, "float16") and hash(same) == hash(
-        ca_jax._Kernels("forward", lay, 0.5, "float16")
+    same = ca_jax._Kernels("forward", lay, 0.5, None, "float16")
+    assert same == ca_jax._Kernels("forward", lay, 0.5, None, "float16") and hash(same) == hash(
+        ca_jax._Kernels("forward", lay, 0.5, None, "float16")
     )
     twin = lay & lay  # equal contents, another object: its device tables are another cache entry
     others = [
-        ca_jax._Kernels("forward", twin, 0.5, "float16"),
-        ca_jax._Kernels("backward", lay, 0.5, "float16"),
-        ca_jax._Kernels("forward", lay, 0.25, "float16"),
-        ca_jax._Kernels("forward", lay, 0.5, "bfloat16"),
-        ca_jax._ReferenceInPlace("forward", lay, 0.5, "float16"),
+        ca_jax._Kernels("forward", twin, 0.5, None, "float16"),
+        ca_jax._Kernels("backward", lay, 0.5, None, "float16"),
+        ca_jax._Kernels("forward", lay, 0.25, None, "float16"),
+        ca_jax._Kernels("forward", lay, 0.5, None, "bfloat16"),
+        ca_jax._ReferenceInPlace("forward", lay, 0.5, None, "float16"),
     ]
     assert twin == lay and all(same != other for other in others)
 

@@ -4,6 +4,7 @@ recompute, the module, and ``torch.compile`` without graph breaks; on a GPU, the
 from __future__ import annotations
 
 import gc
+import math
 import warnings
 
 import numpy as np
@@ -161,9 +162,9 @@ def bshd(*xs):
 def test_opcheck_forward(name):
     sizes, make_layout = OP_CASES[name]
     layout = make_layout()
-    key = ca_torch._LAYOUTS.key(layout)
+    key = ca_torch._OBJECTS.key(layout)
     q, k, v = tensors(**sizes)
-    for args in ((q, k, v, key, 0.4, None, False), (*bshd(q, k, v), key, 0.4, "reference", True)):
+    for args in ((q, k, v, key, -1, 0.4, None, False), (*bshd(q, k, v), key, -1, 0.4, "reference", True)):
         result = torch.library.opcheck(ops.attention_forward, args)
         assert set(result.values()) == {"SUCCESS"}, result
 
@@ -172,17 +173,17 @@ def test_opcheck_forward(name):
 def test_opcheck_backward(name):
     sizes, make_layout = OP_CASES[name]
     layout = make_layout()
-    key = ca_torch._LAYOUTS.key(layout)
+    key = ca_torch._OBJECTS.key(layout)
     q, k, v = tensors(**sizes, requires_grad=False)  # the backward is not differentiable itself
-    out, lse = ops.attention_forward(q, k, v, key, 0.4, None, False)
+    out, lse = ops.attention_forward(q, k, v, key, -1, 0.4, None, False)
     dout = torch.randn(out.shape, dtype=out.dtype)
-    result = torch.library.opcheck(ops.attention_backward, (dout, q, k, v, out, lse, key, 0.4, None))
+    result = torch.library.opcheck(ops.attention_backward, (dout, q, k, v, out, lse, key, -1, 0.4, None))
     assert set(result.values()) == {"SUCCESS"}, result
     # A stride-0 dout, as out.sum().backward() sends, gives the reference's gradients.
     dout = torch.randn((), dtype=out.dtype).expand(out.shape)
     arrays = [x.numpy() for x in (dout, q, k, v, out, lse)]
     want = reference.backward(*arrays, layout, scale=0.4, precision=np.float64)
-    got = ops.attention_backward(dout, q, k, v, out, lse, key, 0.4, None)
+    got = ops.attention_backward(dout, q, k, v, out, lse, key, -1, 0.4, None)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g.numpy(), w)
 
@@ -190,22 +191,22 @@ def test_opcheck_backward(name):
 def test_operators_check_their_arguments():
     q, k, v = tensors(requires_grad=False)
     layout = patterns.dense().layout(24)
-    key = ca_torch._LAYOUTS.key(layout)
+    key = ca_torch._OBJECTS.key(layout)
     with pytest.raises(ValueError, match="k has 2 heads, and q's 3 heads"):
-        ops.attention_forward(torch.randn(1, 3, 24, 4, dtype=q.dtype), k, v, key, 0.5, None, False)
+        ops.attention_forward(torch.randn(1, 3, 24, 4, dtype=q.dtype), k, v, key, -1, 0.5, None, False)
     with pytest.raises(ValueError, match="layout was built for seq_q=24"):
-        ops.attention_forward(q[:, :, :20], k, v, key, 0.5, None, False)
+        ops.attention_forward(q[:, :, :20], k, v, key, -1, 0.5, None, False)
 
 
 def test_layout_keys_are_stable_and_weak():
     lay = sparse_layout()
-    key = ca_torch._LAYOUTS.key(lay)
-    assert ca_torch._LAYOUTS.key(lay) == key and ca_torch._LAYOUTS.layout(key) is lay
-    assert ca_torch._LAYOUTS.key(sparse_layout()) != key  # equal contents, another object
+    key = ca_torch._OBJECTS.key(lay)
+    assert ca_torch._OBJECTS.key(lay) == key and ca_torch._OBJECTS.get(key) is lay
+    assert ca_torch._OBJECTS.key(sparse_layout()) != key  # equal contents, another object
     del lay
     gc.collect()
-    with pytest.raises(RuntimeError, match=f"layout key {key} names no live layout"):
-        ca_torch._LAYOUTS.layout(key)
+    with pytest.raises(RuntimeError, match=f"key {key} names no live layout or score mod"):
+        ca_torch._OBJECTS.get(key)
 
 
 def test_autograd_keeps_a_temporary_layout_alive():
@@ -443,3 +444,32 @@ def test_cuda_backward_is_deterministic(cuda_only):
         runs.append([t.grad.clone() for t in (q, k, v)])
     for a, b in zip(*runs, strict=True):
         assert torch.equal(a, b)
+
+
+def test_score_mod_gradients_match_torch_autograd():
+    """A traced score mod through the custom operators, eager and compiled, against the same math in torch."""
+    from cusparseattn import mods
+
+    slopes = np.array([0.5, 0.25])
+
+    def score(s, b, h, q_idx, kv_idx):
+        return 3.0 * mods.tanh((s + slopes[h] * (kv_idx - q_idx)) / 3.0)
+
+    q, k, v = tensors(Sq=40, Sk=40, D=8)
+    lay = patterns.causal(block=16)
+    dout = torch.randn(q.shape, dtype=q.dtype)
+    got = []
+    for fn in (ca_torch.attention, torch.compile(ca_torch.attention, backend="aot_eager", fullgraph=True)):
+        for t in (q, k, v):
+            t.grad = None
+        fn(q, k, v, lay, score_mod=score).backward(dout)
+        got.append([t.grad.clone() for t in (q, k, v)])
+    qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    s = qq @ kk.transpose(-1, -2) / math.sqrt(8)
+    pos = torch.arange(40, dtype=q.dtype)
+    s = 3.0 * torch.tanh((s + torch.tensor(slopes)[:, None, None] * (pos[None, :] - pos[:, None])) / 3.0)
+    s = s.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+    (torch.softmax(s, -1) @ vv).backward(dout)
+    for grads in got:
+        for g, want in zip(grads, (qq.grad, kk.grad, vv.grad), strict=True):
+            torch.testing.assert_close(g, want)
