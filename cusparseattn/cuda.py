@@ -109,8 +109,6 @@ class DeviceTables:
             for name in ("row_ptr", "entries", "col_ptr", "col_entries", "sub_bits", "bit_mask")
         }
         rule = layout.rule if p.rule_mode == "expr" else None
-        params, arrays = (rule.params, rule.arrays) if rule else ((), ())
-        self.rule_arrays = [cupy.asarray(np.ascontiguousarray(a, dtype=np.int32)) for a in arrays]
         self.rule_expr = rule.c_expr if rule else None
         # The parameter fields that depend on the layout alone; a launch copies this and adds its arrays.
         base = np.zeros((), build.PARAMS)
@@ -120,10 +118,22 @@ class DeviceTables:
         base["tiles_q"], base["tiles_k"] = p.tiles_q, p.tiles_k
         for name in ("sub_q_shift", "sub_k_shift", "sub_k_count"):
             base[name] = getattr(p, name)
-        base["rule_p"][: len(params)] = params
-        base["rule_a"][: len(arrays)] = [a.data.ptr for a in self.rule_arrays]
+        self.rule_arrays = _set_rule(base, rule)
         base["q_origin"], base["k_origin"] = layout.origin
         self.params = base
+
+
+def _set_rule(params: np.ndarray, rule) -> list:
+    """Writes a token rule's parameters and its uploaded arrays (int32) into a Params-like struct's rule_p and
+    rule_a; returns the device arrays, which must live as long as the struct is launched with."""
+    import cupy
+
+    if rule is None:
+        return []
+    arrays = [cupy.asarray(np.ascontiguousarray(a, dtype=np.int32)) for a in rule.arrays]
+    params["rule_p"][: len(rule.params)] = rule.params
+    params["rule_a"][: len(arrays)] = [a.data.ptr for a in arrays]
+    return arrays
 
 
 def _per_object(cache: dict, obj, key, make):
@@ -300,12 +310,12 @@ def classify_blocks(
     with cupy.cuda.Device(device):
         function = build.load(build.RuleSpec(rule.c_expr), device)
         any_, all_ = cupy.empty(shape, cupy.uint8), cupy.empty(shape, cupy.uint8)
-        tables = [cupy.asarray(np.ascontiguousarray(a, dtype=np.int32)) for a in rule.arrays]
         params = np.zeros((), build.MASK_PARAMS)
         params["any"], params["all"] = any_.data.ptr, all_.data.ptr
         params["seq_q"], params["seq_k"], params["block_q"], params["block_k"] = seq_q, seq_k, bq, bk
         params["blocks_q"], params["blocks_k"], params["heads"] = shape[2], shape[3], heads
-        params["rule_p"][: len(rule.params)] = rule.params
-        params["rule_a"][: len(tables)] = [a.data.ptr for a in tables]
+        tables = _set_rule(params, rule)
         function((shape[3], shape[2], batch * heads), (256, 1, 1), (params[()],))
-        return cupy.asnumpy(any_).astype(bool), cupy.asnumpy(all_).astype(bool)
+        result = cupy.asnumpy(any_).astype(bool), cupy.asnumpy(all_).astype(bool)
+        del tables  # only once the copies above have waited for the kernel that reads them
+        return result
