@@ -11,7 +11,7 @@ import weakref
 
 import numpy as np
 
-from . import build, plan
+from . import build, env, plan, tma
 from .layout import BlockLayout
 
 MIN_COMPUTE_CAPABILITY = 80  # mma.sync with bf16, cp.async, ldmatrix
@@ -88,6 +88,30 @@ def device_reasons(device: int) -> list[str]:
     if cc < MIN_COMPUTE_CAPABILITY:
         return [f"cuda:{device} has compute capability {cc // 10}.{cc % 10}; the kernels need 8.0 or newer"]
     return []
+
+
+def hopper_device_reasons(device: int) -> list[str]:
+    """Why the Hopper kernels (TMA, wgmma) cannot run on this GPU (empty when they can)."""
+    if not env.hopper():
+        return ["CUSPARSEATTN_HOPPER=0 turns the Hopper kernels off"]
+    cc = compute_capability(device)
+    if cc != 90:
+        return [f"the Hopper kernels need compute capability 9.0, cuda:{device} has {cc // 10}.{cc % 10}"]
+    return []
+
+
+def hopper_reasons(q, k, v) -> list[str]:
+    """Why the forward cannot take the Hopper kernel for these device arrays (empty when it can); it then
+    runs the portable one."""
+    if reasons := hopper_device_reasons(q.device[1]):
+        return reasons
+    if q.shape[3] not in build.HOPPER_HEAD_DIMS:
+        return [f"the Hopper kernels take head dims {build.HOPPER_HEAD_DIMS}, got {q.shape[3]}"]
+    return [
+        f"TMA cannot read {name}: {reason}"
+        for name, t in (("q", q), ("k", k), ("v", v))
+        for reason in tma.reasons(t.shape, t.strides, tma.ITEMSIZE, t.data_ptr)
+    ]
 
 
 # ---- per-layout device tables -------------------------------------------------------------------------
@@ -215,10 +239,17 @@ _FIELDS = {
 
 
 def _launch(
-    kernel: str, grid, tables: DeviceTables, score: ScoreTables | None, scale: float, tiles, **arrays
+    kernel: str,
+    grid,
+    tables: DeviceTables,
+    score: ScoreTables | None,
+    scale: float,
+    tiles,
+    maps: tuple = (),
+    **arrays,
 ):
     """Packs the parameters of one pass over these holders (named as `_FIELDS`) and launches it on q's
-    device and stream."""
+    device and stream; `maps` (TMA descriptors) follow the parameters as kernel arguments."""
     q, k = arrays["q"], arrays["k"]
     device = q.device[1]
     spec = build.KernelSpec(
@@ -236,7 +267,7 @@ def _launch(
     params["seq_q"], params["seq_k"] = q.shape[2], k.shape[2]
     params["heads_q"], params["group"] = q.shape[1], q.shape[1] // k.shape[1]
     params["scale"] = scale
-    function(grid, (spec.threads, 1, 1), (params[()],), shared_mem=spec.shared_bytes)
+    function(grid, (spec.threads, 1, 1), (params[()], *maps), shared_mem=spec.shared_bytes)
 
 
 def _tiled_tables(kernel: str, layout: BlockLayout, head_dim: int, device: int, score, tiles=None):
@@ -259,17 +290,22 @@ def forward(
     """Launches the forward kernel: writes `out` [B, Hq, Sq, D] and `lse` [B, Hq, Sq] (float32).
 
     `score_mod` is a traced `cusparseattn.trace.ScoreMod` or None; `tiles` (TILE_M, TILE_N, NWARPS)
-    overrides the tile table, for tuning.
+    overrides the portable kernel's tile table, for tuning. On an H100/H200 the Hopper kernel runs where
+    `hopper_reasons` allows it.
     """
     import cupy
 
     batch, heads_q = q.shape[:2]
     device = q.device[1]
+    kernel = "forward" if tiles or hopper_reasons(q, k, v) else "forward_sm90"
     with cupy.cuda.Device(device), _stream(q.stream):
         score = score_tables(score_mod, device)
-        tables, tiles = _tiled_tables("forward", layout, q.shape[3], device, score, tiles)
+        tables, tiles = _tiled_tables(kernel, layout, q.shape[3], device, score, tiles)
         grid = (tables.plan.tiles_q, heads_q, batch)
-        _launch("forward", grid, tables, score, scale, tiles, q=q, k=k, v=v, out=out, lse=lse)
+        maps = ()
+        if kernel == "forward_sm90":
+            maps = (tma.tile_map(q, tiles[0]), tma.tile_map(k, tiles[1]), tma.tile_map(v, tiles[1]))
+        _launch(kernel, grid, tables, score, scale, tiles, maps, q=q, k=k, v=v, out=out, lse=lse)
 
 
 def backward(

@@ -303,6 +303,80 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// ---- the forward's online softmax ---------------------------------------------------------------------
+// The online softmax over the two rows a thread holds (g and g + 8 of the warp's 16): the same for the
+// mma.sync and the wgmma kernels, whose accumulators a warp holds alike.
+struct OnlineSoftmax {
+    float m[2];  // running max of the scaled scores, in log2 units
+    float l[2];  // this thread's part of the running sum (reduced across the quad at the end)
+
+    __device__ __forceinline__ void init() {
+        m[0] = m[1] = -INFINITY;
+        l[0] = l[1] = 0.f;
+    }
+
+    // Turns raw scores into probabilities in place; alpha[r] is the factor that brings row r's earlier
+    // output to the new max.
+    __device__ __forceinline__ void step(float (&s)[TILE_N / 8][4], float scale, float (&alpha)[2]) {
+        const float scale_log2 = scale * LOG2E;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = m[r];
+#pragma unroll
+            for (int n = 0; n < TILE_N / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]) * scale_log2);
+            mx = quad_max(mx);
+            // A row with nothing visible so far keeps max -inf; subtract 0 instead, never -inf - -inf.
+            float base = mx == -INFINITY ? 0.f : mx;
+            alpha[r] = exp2f(m[r] - base);
+            m[r] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < TILE_N / 8; ++n) {
+                // fmaf(s, scale, -base): the scale folds into the exponent's FMA.
+                s[n][2 * r] = exp2f(fmaf(s[n][2 * r], scale_log2, -base));
+                s[n][2 * r + 1] = exp2f(fmaf(s[n][2 * r + 1], scale_log2, -base));
+                sum += s[n][2 * r] + s[n][2 * r + 1];
+            }
+            l[r] = l[r] * alpha[r] + sum;
+        }
+    }
+
+    __device__ __forceinline__ static void rescale(float (&o)[HEAD_DIM / 8][4], const float (&alpha)[2]) {
+#pragma unroll
+        for (int d = 0; d < HEAD_DIM / 8; ++d) {
+            o[d][0] *= alpha[0];
+            o[d][1] *= alpha[0];
+            o[d][2] *= alpha[1];
+            o[d][3] *= alpha[1];
+        }
+    }
+
+    // Both at once, where the output is not in flight.
+    __device__ __forceinline__ void update(float (&s)[TILE_N / 8][4], float (&o)[HEAD_DIM / 8][4],
+                                           float scale) {
+        float alpha[2];
+        step(s, scale, alpha);
+        rescale(o, alpha);
+    }
+};
+
+// The forward's end for a warp's 16 rows from `row0`: out = acc / l (0 where a row saw nothing) and
+// lse = m * ln2 + ln(l) (-inf there).
+__device__ __forceinline__ void finish_rows(const Params& p, const OnlineSoftmax& sm, float (&o)[HEAD_DIM / 8][4],
+                                            int b, int h, int row0, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float l = quad_sum(sm.l[r]);
+        inv[r] = l > 0.f ? 1.f / l : 0.f;
+        const int q = row0 + g + 8 * r;
+        if (t == 0 && q < p.seq_q)
+            p.lse[b * p.lse_sb + h * p.lse_sh + q] = l > 0.f ? sm.m[r] * LN2 + logf(l) : -INFINITY;
+    }
+    store_rows<HEAD_DIM>(o, inv, p.o + b * p.o_sb + h * p.o_sh, p.o_ss, row0, p.seq_q, 0, lane);
+}
+
 // ---- token mask of a partial tile ---------------------------------------------------------------------------
 // Whether query q0 + qi sees key k0 + ki, for tile-local (qi, ki) of the partial tile `pidx` whose sub-block
 // bits are `sub` (ignored in RULE_BITS mode).

@@ -1,0 +1,179 @@
+// Block-sparse flash attention, forward pass for Hopper (sm_90a): TMA copies, warpgroup MMAs and a producer
+// warpgroup that only loads.
+//
+// One CTA per (query tile, query head, batch element), three warpgroups. The producer gives most of its
+// registers to the others; one of its threads copies the Q tile once, then the K and V tiles that the
+// layout's row lists into a ring of STAGES buffers. Each buffer has a barrier that completes when its copy has
+// landed (k_full, v_full) and one that completes when both consumers are done with it (k_empty, v_empty): K_i
+// is free once S_i has landed, a step before V_i, so the next K copy starts early. Each consumer
+// warpgroup owns 64 query rows: S = Q K^T from shared memory, then the mask, score mod and online softmax of
+// the mma.sync kernel (a warp holds its accumulators alike), then O += P V with P from registers, overlapped
+// with the next tile's softmax. Writes out [B, Hq, Sq, D] and lse [B, Hq, Sq] as forward.cu does.
+#include "hopper.cuh"
+
+using namespace csa;
+
+constexpr int CONSUMERS = 2;
+constexpr int THREADS = (CONSUMERS + 1) * 128;
+constexpr int STAGES = 2;
+static_assert(NWARPS * 32 == THREADS && TILE_M == CONSUMERS * 64, "one producer and two 64-row consumers");
+static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM == HEAD_DIM_REAL, "tiles are whole 64-element panels");
+static_assert(TILE_N % 16 == 0 && TILE_N <= 256, "a key tile is one wgmma N");
+
+constexpr unsigned Q_BYTES = TILE_M * HEAD_DIM * sizeof(elem_t);
+constexpr unsigned KV_BYTES = TILE_N * HEAD_DIM * sizeof(elem_t);
+
+struct alignas(1024) Shared {
+    elem_t q[TILE_M * HEAD_DIM];
+    elem_t k[STAGES][TILE_N * HEAD_DIM];
+    elem_t v[STAGES][TILE_N * HEAD_DIM];
+    Barrier q_full, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
+};
+// The builder launches with sizeof(Shared) and 1024 bytes to align it: dynamic shared memory is only
+// guaranteed 16-byte alignment.
+static_assert(sizeof(Shared) + 1024 == SHARED_BYTES, "the builder launches with the kernel's shared memory size");
+
+// S = Q K^T for a consumer's 64 rows (`q` at its first row) and one key tile, issued and left in flight.
+__device__ __forceinline__ void issue_scores(float (&s)[TILE_N / 8][4], const elem_t* q, const elem_t* k) {
+    wgmma_fence();
+#pragma unroll
+    for (int kd = 0; kd < HEAD_DIM / 16; ++kd) {
+        // Panel kd / 4; inside it, 16 elements (32 bytes) per step along the swizzled row.
+        const int panel = kd / 4, col = (kd % 4) * 16;
+        wgmma_ss<TILE_N>(s, smem_desc(q + panel * TILE_M * 64 + col), smem_desc(k + panel * TILE_N * 64 + col),
+                         kd > 0);
+    }
+    wgmma_commit();
+}
+
+// O += P V for a consumer's 64 rows, P the probabilities of one key tile in registers, issued and left in
+// flight.
+__device__ __forceinline__ void issue_output(float (&o)[HEAD_DIM / 8][4], const unsigned (&pa)[TILE_N / 16][4],
+                                             const elem_t* v) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < TILE_N / 16; ++kk)
+        wgmma_rs<HEAD_DIM>(o, pa[kk], smem_desc(v + kk * 16 * 64, TILE_N * 128));
+    wgmma_commit();
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+    csa_forward_sm90(const __grid_constant__ Params p, const __grid_constant__ TensorMap q_map,
+                     const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map) {
+    extern __shared__ unsigned char smem_raw[];
+    Shared& sh = *reinterpret_cast<Shared*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
+    if (threadIdx.x == 0 && dynamic_smem_size() < SHARED_BYTES) __trap();
+
+    // Heaviest rows of causal-like layouts are the last ones: start them first.
+    const int tile_q = p.tiles_q - 1 - blockIdx.x;
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int line = layout_line(p, b, h) * p.tiles_q + tile_q;
+    const int begin = p.row_ptr[line], count = p.row_ptr[line + 1] - begin;
+    const int warpgroup = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        sh.q_full.init(1);
+        for (int s = 0; s < STAGES; ++s) {
+            sh.k_full[s].init(1);
+            sh.v_full[s].init(1);
+            sh.k_empty[s].init(CONSUMERS * 128);
+            sh.v_empty[s].init(CONSUMERS * 128);
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        release_registers<24>();
+        if (threadIdx.x == 0 && count > 0) {
+            const int hk = h / p.group;
+            sh.q_full.expect_bytes(Q_BYTES);
+            tma_load_tile(sh.q, q_map, sh.q_full, tile_q * TILE_M, h, b);
+            for (int i = 0; i < count; ++i) {
+                const int s = i % STAGES;
+                const unsigned free = ((i / STAGES) & 1) ^ 1;  // the phase in which use i - STAGES ended
+                const int k0 = p.entries[begin + i].x * TILE_N;
+                sh.k_empty[s].wait(free);
+                sh.k_full[s].expect_bytes(KV_BYTES);
+                tma_load_tile(sh.k[s], k_map, sh.k_full[s], k0, hk, b);
+                sh.v_empty[s].wait(free);
+                sh.v_full[s].expect_bytes(KV_BYTES);
+                tma_load_tile(sh.v[s], v_map, sh.v_full[s], k0, hk, b);
+            }
+        }
+        return;
+    }
+    claim_registers<240>();
+
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31;
+    const int rows = (warpgroup - 1) * 64;  // this consumer's first row in the tile
+    const int q_tile0 = tile_q * TILE_M;
+    float o[HEAD_DIM / 8][4];
+    zero(o);
+    OnlineSoftmax sm;
+    sm.init();
+    // Step i issues S_i = Q K_i^T, then O += P_{i-1} V_{i-1}, and runs the softmax of S_i while the second
+    // product is in flight; the output is rescaled once that product has landed. Straight-line code around
+    // the waits lets ptxas keep the products asynchronous.
+    float sc[TILE_N / 8][4];
+    unsigned pa[TILE_N / 16][4];
+    float alpha[2];
+    auto issue_scores_of = [&](int i) {
+        sh.k_full[i % STAGES].wait((i / STAGES) & 1);
+        issue_scores(sc, sh.q + rows * 64, sh.k[i % STAGES]);
+    };
+    auto issue_output_of = [&](int i) {
+        sh.v_full[i % STAGES].wait((i / STAGES) & 1);
+        issue_output(o, pa, sh.v[i % STAGES]);
+    };
+    // Masks, mods and exponentiates S_i once `wait_scores` has seen it land.
+    auto softmax_of = [&](int i, auto&& wait_scores) {
+        const int2 e = p.entries[begin + i];
+        const int k0 = e.x * TILE_N;
+        // The partial tile's mask is worked out while the tensor cores run.
+        const unsigned long long keep =
+            e.y >= 0 ? mask_bits<false, TILE_N>(p, e.y, b, h, q_tile0, k0, rows + warp * 16, lane) : 0;
+        wait_scores();
+        fence_operands(sc);
+        sh.k_empty[i % STAGES].arrive();
+        apply_score_mod<false, TILE_N>(p, sc, b, h, TilePos<false>(p, q_tile0, k0, rows + warp * 16, lane));
+        if (e.y >= 0) apply_mask<TILE_N>(sc, keep);
+        sm.step(sc, softmax_scale(p), alpha);
+    };
+    // P as the A fragments of the next O += P V: the C layout of two adjacent 8-column tiles is the A layout
+    // of one 16-deep step.
+    auto pack_probabilities = [&] {
+#pragma unroll
+        for (int kk = 0; kk < TILE_N / 16; ++kk) {
+            pa[kk][0] = pack_u32(sc[2 * kk][0], sc[2 * kk][1]);
+            pa[kk][1] = pack_u32(sc[2 * kk][2], sc[2 * kk][3]);
+            pa[kk][2] = pack_u32(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
+            pa[kk][3] = pack_u32(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
+        }
+    };
+    // Waits for O += P_i V_i and hands V_i's buffer back to the producer; pa is free again.
+    auto finish_output_of = [&](int i) {
+        wgmma_wait<0>();
+        fence_operands(o);
+        fence_operands(pa);
+        sh.v_empty[i % STAGES].arrive();
+    };
+
+    if (count > 0) {
+        sh.q_full.wait(0);
+        issue_scores_of(0);
+        softmax_of(0, [] { wgmma_wait<0>(); });  // the output is still zero: nothing to rescale
+        pack_probabilities();
+        for (int i = 1; i < count; ++i) {
+            issue_scores_of(i);
+            issue_output_of(i - 1);                  // reads P_{i-1} from pa while S_i goes to sc
+            softmax_of(i, [] { wgmma_wait<1>(); });  // groups complete in order: S_i has landed
+            finish_output_of(i - 1);
+            OnlineSoftmax::rescale(o, alpha);
+            pack_probabilities();
+        }
+        issue_output_of(count - 1);
+        finish_output_of(count - 1);
+    }
+    finish_rows(p, sm, o, b, h, q_tile0 + rows + warp * 16, lane);
+}

@@ -1,0 +1,127 @@
+// Hopper (sm_90a) tile primitives: barriers in shared memory, TMA tile copies, shared-memory matrix
+// descriptors and warpgroup MMAs. The names follow the algorithm; the PTX is in one place, here.
+//
+// Shared tiles are [HEAD_DIM / 64 panels][rows][64 elements]: 128-byte rows, 16-byte chunks swizzled with the
+// row (chunk ^= row % 8) by the TMA copy, each panel starting at a 1024-byte boundary. That is the
+// "128-byte swizzle" canonical layout wgmma reads without bank conflicts, K-major (Q, K: the reduction runs
+// along the row) or MN-major (V: the reduction runs across rows).
+//
+// The builder adds to the prelude, for each N a kernel multiplies with (an asm operand list is fixed text):
+//   wgmma_ss<N>(float (&d)[N / 8][4], desc a, desc b, int accumulate)   D (+)= A B, both from shared memory
+//   wgmma_rs<N>(float (&d)[N / 8][4], const unsigned (&a)[4], desc b)    D += A B, A from registers, B MN-major
+// Both are m64nNk16 with fp32 accumulators: a warpgroup's 64 rows, a warp's 16 of them laid out as an
+// mma.sync accumulator, so the helpers of common.cuh (mask, score mod, softmax, stores) apply unchanged.
+#pragma once
+
+#include "common.cuh"
+
+namespace csa {
+
+// A CUtensorMap (the driver's 128-byte opaque TMA descriptor), passed as a __grid_constant__ kernel argument.
+struct alignas(64) TensorMap {
+    unsigned long long opaque[16];
+};
+
+__device__ __forceinline__ unsigned smem_address(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// ---- barriers ---------------------------------------------------------------------------------------------
+// An mbarrier: a phase completes when `count` threads have arrived and the bytes announced with
+// expect_bytes have landed. Waiters name the parity of the phase they wait for.
+struct Barrier {
+    unsigned long long word;
+
+    __device__ __forceinline__ void init(unsigned count) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_address(this)), "r"(count));
+    }
+    // Arrives and announces `bytes` more that copies will bring in this phase.
+    __device__ __forceinline__ void expect_bytes(unsigned bytes) {
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(this)),
+                     "r"(bytes)
+                     : "memory");
+    }
+    __device__ __forceinline__ void arrive() {
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_address(this)) : "memory");
+    }
+    // Returns once the phase of this parity has completed. Parity 1 before the first completion returns at
+    // once: a producer's first pass over empty buffers does not wait.
+    __device__ __forceinline__ void wait(unsigned parity) {
+        unsigned done;
+        do {
+            asm volatile(
+                "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                : "=r"(done)
+                : "r"(smem_address(this)), "r"(parity)
+                : "memory");
+        } while (!done);
+    }
+};
+
+// Makes initialised barriers visible to the TMA unit (the async proxy) before the first copy uses them.
+__device__ __forceinline__ void fence_barrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// ---- TMA -----------------------------------------------------------------------------------------------------
+// Copies rows [row0, row0 + ROWS) of head `head`, batch `batch` of a [B, H, S, D] tensor into a shared tile
+// (all HEAD_DIM / 64 panels at once: the map's dims are (64, S, D / 64, H, B)); rows past the sequence are
+// zero-filled. Completes on `bar`, which must expect ROWS * HEAD_DIM elements.
+__device__ __forceinline__ void tma_load_tile(elem_t* dst, const TensorMap& map, Barrier& bar, int row0, int head,
+                                              int batch) {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n" ::"r"(smem_address(dst)),
+        "l"(reinterpret_cast<unsigned long long>(&map)), "r"(0), "r"(row0), "r"(0), "r"(head), "r"(batch),
+        "r"(smem_address(&bar))
+        : "memory");
+}
+
+// ---- warpgroup MMA ----------------------------------------------------------------------------------------
+// The descriptor of a swizzled shared matrix at `p`. K-major: 8-row groups 1024 bytes apart (the leading
+// offset is unused). MN-major: the same along the reduction, and `panel_bytes` between the 64-wide panels of
+// the N dimension.
+__device__ __forceinline__ unsigned long long smem_desc(const void* p, unsigned panel_bytes = 16) {
+    return static_cast<unsigned long long>((smem_address(p) & 0x3FFFF) >> 4) |
+           static_cast<unsigned long long>(panel_bytes >> 4) << 16 | static_cast<unsigned long long>(1024 >> 4) << 32 |
+           1ull << 62;  // 128-byte swizzle
+}
+
+// Orders this thread's register accesses before the warpgroup MMAs that follow (accumulators rescaled, A
+// fragments written).
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Keeps the compiler from touching an MMA's registers while it is in flight: after the wait, they count as
+// read and written here (accumulators), or as live until here (A fragments).
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&x)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(x[i][j])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_operands(unsigned (&x)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(x[i][j])::"memory");
+}
+
+// ---- registers ------------------------------------------------------------------------------------------
+// A warpgroup's per-thread register budget: the producer gives registers back, the consumers take them.
+template <int REGS>
+__device__ __forceinline__ void release_registers() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+template <int REGS>
+__device__ __forceinline__ void claim_registers() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+
+}  // namespace csa
