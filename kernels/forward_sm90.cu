@@ -33,30 +33,6 @@ struct alignas(1024) Shared {
 // guaranteed 16-byte alignment.
 static_assert(sizeof(Shared) + 1024 == SHARED_BYTES, "the builder launches with the kernel's shared memory size");
 
-// S = Q K^T for a consumer's 64 rows (`q` at its first row) and one key tile, issued and left in flight.
-__device__ __forceinline__ void issue_scores(float (&s)[TILE_N / 8][4], const elem_t* q, const elem_t* k) {
-    wgmma_fence();
-#pragma unroll
-    for (int kd = 0; kd < HEAD_DIM / 16; ++kd) {
-        // Panel kd / 4; inside it, 16 elements (32 bytes) per step along the swizzled row.
-        const int panel = kd / 4, col = (kd % 4) * 16;
-        wgmma_ss<TILE_N>(s, smem_desc(q + panel * TILE_M * 64 + col), smem_desc(k + panel * TILE_N * 64 + col),
-                         kd > 0);
-    }
-    wgmma_commit();
-}
-
-// O += P V for a consumer's 64 rows, P the probabilities of one key tile in registers, issued and left in
-// flight.
-__device__ __forceinline__ void issue_output(float (&o)[HEAD_DIM / 8][4], const unsigned (&pa)[TILE_N / 16][4],
-                                             const elem_t* v) {
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < TILE_N / 16; ++kk)
-        wgmma_rs<HEAD_DIM>(o, pa[kk], smem_desc(v + kk * 16 * 64, TILE_N * 128));
-    wgmma_commit();
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     csa_forward_sm90(const __grid_constant__ Params p, const __grid_constant__ TensorMap q_map,
                      const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map) {
@@ -120,11 +96,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     float alpha[2];
     auto issue_scores_of = [&](int i) {
         sh.k_full[i % STAGES].wait((i / STAGES) & 1);
-        issue_scores(sc, sh.q + rows * 64, sh.k[i % STAGES]);
+        issue_ABt<TILE_N, TILE_M>(sc, sh.q + rows * 64, sh.k[i % STAGES]);
     };
     auto issue_output_of = [&](int i) {
         sh.v_full[i % STAGES].wait((i / STAGES) & 1);
-        issue_output(o, pa, sh.v[i % STAGES]);
+        issue_PB<TILE_N>(o, pa, sh.v[i % STAGES]);
     };
     // Masks, mods and exponentiates S_i once `wait_scores` has seen it land.
     auto softmax_of = [&](int i, auto&& wait_scores) {
@@ -140,17 +116,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         if (e.y >= 0) apply_mask<TILE_N>(sc, keep);
         sm.step(sc, softmax_scale(p), alpha);
     };
-    // P as the A fragments of the next O += P V: the C layout of two adjacent 8-column tiles is the A layout
-    // of one 16-deep step.
-    auto pack_probabilities = [&] {
-#pragma unroll
-        for (int kk = 0; kk < TILE_N / 16; ++kk) {
-            pa[kk][0] = pack_u32(sc[2 * kk][0], sc[2 * kk][1]);
-            pa[kk][1] = pack_u32(sc[2 * kk][2], sc[2 * kk][3]);
-            pa[kk][2] = pack_u32(sc[2 * kk + 1][0], sc[2 * kk + 1][1]);
-            pa[kk][3] = pack_u32(sc[2 * kk + 1][2], sc[2 * kk + 1][3]);
-        }
-    };
     // Waits for O += P_i V_i and hands V_i's buffer back to the producer; pa is free again.
     auto finish_output_of = [&](int i) {
         wgmma_wait<0>();
@@ -163,14 +128,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         sh.q_full.wait(0);
         issue_scores_of(0);
         softmax_of(0, [] { wgmma_wait<0>(); });  // the output is still zero: nothing to rescale
-        pack_probabilities();
+        to_a_fragments<TILE_N>(sc, pa);
         for (int i = 1; i < count; ++i) {
             issue_scores_of(i);
             issue_output_of(i - 1);                  // reads P_{i-1} from pa while S_i goes to sc
             softmax_of(i, [] { wgmma_wait<1>(); });  // groups complete in order: S_i has landed
             finish_output_of(i - 1);
             OnlineSoftmax::rescale(o, alpha);
-            pack_probabilities();
+            to_a_fragments<TILE_N>(sc, pa);
         }
         issue_output_of(count - 1);
         finish_output_of(count - 1);

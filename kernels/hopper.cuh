@@ -113,6 +113,45 @@ __device__ __forceinline__ void fence_operands(unsigned (&x)[N][4]) {
         for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(x[i][j])::"memory");
 }
 
+// ---- tile products ----------------------------------------------------------------------------------------
+// acc (64 x N) = A B^T over HEAD_DIM: A the 64 rows at `a` of a shared tile whose panels hold A_ROWS rows, B an
+// N-row shared tile; both K-major. Issued as one group and left in flight (wgmma_wait, then fence_operands).
+template <int N, int A_ROWS>
+__device__ __forceinline__ void issue_ABt(float (&acc)[N / 8][4], const elem_t* a, const elem_t* b) {
+    wgmma_fence();
+#pragma unroll
+    for (int kd = 0; kd < HEAD_DIM / 16; ++kd) {
+        // Panel kd / 4; inside it, 16 elements (32 bytes) per step along the swizzled row.
+        const int panel = kd / 4, col = (kd % 4) * 16;
+        wgmma_ss<N>(acc, smem_desc(a + panel * A_ROWS * 64 + col), smem_desc(b + panel * N * 64 + col), kd > 0);
+    }
+    wgmma_commit();
+}
+
+// acc (64 x HEAD_DIM) += P B: P (64 x K) as A fragments in registers, B a K-row shared tile read MN-major.
+// Issued as one group and left in flight; P must stay untouched until it lands.
+template <int K>
+__device__ __forceinline__ void issue_PB(float (&acc)[HEAD_DIM / 8][4], const unsigned (&pa)[K / 16][4],
+                                         const elem_t* b) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) wgmma_rs<HEAD_DIM>(acc, pa[kk], smem_desc(b + kk * 16 * 64, K * 128));
+    wgmma_commit();
+}
+
+// An fp32 accumulator (64 x K) as the A fragments of a product with it: the C layout of two adjacent 8-column
+// tiles is the A layout of one 16-deep step.
+template <int K>
+__device__ __forceinline__ void to_a_fragments(const float (&acc)[K / 8][4], unsigned (&pa)[K / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        pa[kk][0] = pack_u32(acc[2 * kk][0], acc[2 * kk][1]);
+        pa[kk][1] = pack_u32(acc[2 * kk][2], acc[2 * kk][3]);
+        pa[kk][2] = pack_u32(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+        pa[kk][3] = pack_u32(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+    }
+}
+
 // ---- registers ------------------------------------------------------------------------------------------
 // A warpgroup's per-thread register budget: the producer gives registers back, the consumers take them.
 template <int REGS>
