@@ -154,9 +154,9 @@ def _gpu_lines() -> list[str]:
         )
         hopper = cuda.hopper_device_reasons(i)
         lines.append(
-            f"  forward kernel: Hopper (TMA, wgmma) for head dims {build.HOPPER_HEAD_DIMS}, else portable"
+            f"  kernels: Hopper (TMA, wgmma) for head dims {build.HOPPER_HEAD_DIMS}, else portable"
             if not hopper
-            else f"  forward kernel: portable (mma.sync); not Hopper: {'; '.join(hopper)}"
+            else f"  kernels: portable (mma.sync); not Hopper: {'; '.join(hopper)}"
         )
     return lines
 

@@ -54,13 +54,16 @@ TILES = {
         128: [(32, 128, 8), (32, 64, 4)],
         256: [(32, 64, 4), (16, 32, 2)],
     },
-    # One producer and two 64-row consumer warpgroups.
+    # One producer and two consumer warpgroups of 64 query rows (64 keys in the dK/dV pass). The dQ pass keeps
+    # S, dP and dQ in registers: key tiles of 64.
     "forward_sm90": {128: [(128, 128, 12)]},
+    "backward_dq_sm90": {128: [(128, 64, 12)]},
+    "backward_dkdv_sm90": {128: [(64, 128, 12)]},
 }
 # Hopper kernels (sm_90a: TMA, wgmma, a producer warpgroup) take head dims of whole 64-element panels.
 HOPPER_HEAD_DIMS = (64, 128)
 HOPPER_STAGES = 2  # forward_sm90.cu's STAGES
-ARCH = {"forward_sm90": "sm_90a"}
+ARCH = {"forward_sm90": "sm_90a", "backward_dq_sm90": "sm_90a", "backward_dkdv_sm90": "sm_90a"}
 KERNELS = tuple(TILES)
 # With a score mod, the dQ pass keeps its derivative's arithmetic beside the scores and dO V^T: key tiles of
 # 128 then spill at head dim 64, so it takes the next tiles.
@@ -73,8 +76,19 @@ def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int
     row = 2 * (-(-head_dim // 16) * 16 + 8)  # bytes per padded shared row (SMEM_ROW elements)
     if kernel == "forward":  # Q, two stages of K and V
         return row * (tm + 2 * 2 * tn)
-    if kernel == "forward_sm90":  # Q, stages of K and V, barriers; 1024-aligned, with 1024 bytes to align it
-        payload = 2 * head_dim * (tm + 2 * HOPPER_STAGES * tn) + 8 * (1 + 4 * HOPPER_STAGES)
+    if kernel in ARCH:  # the kernel's Shared struct (1024-aligned), and 1024 bytes to align it
+        stages, barrier = HOPPER_STAGES, 8  # an mbarrier is 8 bytes
+        payload = {
+            # Q; stages of K and V; a barrier for Q and the full/empty pairs of the K and V rings
+            "forward_sm90": 2 * head_dim * (tm + 2 * stages * tn) + barrier * (1 + 4 * stages),
+            # Q and dO; stages of K and V; barriers as the forward's
+            "backward_dq_sm90": 2 * head_dim * (2 * tm + 2 * stages * tn) + barrier * (1 + 4 * stages),
+            # K and V; stages of Q and dO; 2 consumers x 2 buffers x (lse, delta) in fp32; a barrier for K
+            # and V and the (Q, dO) ring
+            "backward_dkdv_sm90": 2 * head_dim * (2 * tn + 2 * stages * tm)
+            + 2 * 2 * 2 * 4 * tm
+            + barrier * (1 + 2 * stages),
+        }[kernel]
         return -(-payload // 1024) * 1024 + 1024
     if kernel == "backward_dq":  # Q and dO, two stages of K and V
         return row * (2 * tm + 2 * 2 * tn)
@@ -228,7 +242,7 @@ class KernelSpec:
             lines.append(f"#define CSA_SCORE_GRAD(s, b, h, q, k) ({self.score[1]})")
         if self.arch is not None:
             types = {"float16": "f16.f16", "bfloat16": "bf16.bf16"}[self.dtype]
-            lines += _wgmma_functions(sorted({tn, self.padded_head_dim}), types)
+            lines += _wgmma_functions(sorted({tm, tn, self.padded_head_dim}), types)
         return "\n".join(lines) + "\n"
 
     def source(self) -> str:

@@ -100,16 +100,17 @@ def hopper_device_reasons(device: int) -> list[str]:
     return []
 
 
-def hopper_reasons(q, k, v) -> list[str]:
-    """Why the forward cannot take the Hopper kernel for these device arrays (empty when it can); it then
-    runs the portable one."""
+def hopper_reasons(q, k, v, dout=None) -> list[str]:
+    """Why a pass cannot take the Hopper kernels for these device arrays (dout: the backward's; empty when it
+    can); it then runs the portable ones."""
     if reasons := hopper_device_reasons(q.device[1]):
         return reasons
     if q.shape[3] not in build.HOPPER_HEAD_DIMS:
         return [f"the Hopper kernels take head dims {build.HOPPER_HEAD_DIMS}, got {q.shape[3]}"]
+    named = (("q", q), ("k", k), ("v", v)) + ((("dout", dout),) if dout is not None else ())
     return [
         f"TMA cannot read {name}: {reason}"
-        for name, t in (("q", q), ("k", k), ("v", v))
+        for name, t in named
         for reason in tma.reasons(t.shape, t.strides, tma.ITEMSIZE, t.data_ptr)
     ]
 
@@ -302,9 +303,7 @@ def forward(
         score = score_tables(score_mod, device)
         tables, tiles = _tiled_tables(kernel, layout, q.shape[3], device, score, tiles)
         grid = (tables.plan.tiles_q, heads_q, batch)
-        maps = ()
-        if kernel == "forward_sm90":
-            maps = (tma.tile_map(q, tiles[0]), tma.tile_map(k, tiles[1]), tma.tile_map(v, tiles[1]))
+        maps = _maps(tiles[0], tiles[1], q=q, k=k, v=v) if kernel == "forward_sm90" else ()
         _launch(kernel, grid, tables, score, scale, tiles, maps, q=q, k=k, v=v, out=out, lse=lse)
 
 
@@ -322,15 +321,26 @@ def backward(
     heads_k = k.shape[1]
     device = q.device[1]
     arrays = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, delta=delta)
+    hopper = not hopper_reasons(q, k, v, dout)
+    suffix = "_sm90" if hopper else ""
     with cupy.cuda.Device(device), _stream(q.stream):
         score = score_tables(score_mod, device)
-        tables, tiles = _tiled_tables("backward_dq", layout, head_dim, device, score)
+        tables, tiles = _tiled_tables("backward_dq" + suffix, layout, head_dim, device, score)
         grid = (tables.plan.tiles_q, heads_q, batch)
-        _launch("backward_dq", grid, tables, score, scale, tiles, dq=dq, **arrays)
-        tables, tiles = _tiled_tables("backward_dkdv", layout, head_dim, device, score)
+        maps = _maps(tiles[0], tiles[1], q=q, k=k, v=v, dout=dout) if hopper else ()
+        _launch("backward_dq" + suffix, grid, tables, score, scale, tiles, maps, dq=dq, **arrays)
+        tables, tiles = _tiled_tables("backward_dkdv" + suffix, layout, head_dim, device, score)
         splits = 2 if head_dim > 128 else 1  # the dK/dV kernel's SPLITS: halves of the head dim past 128
         grid = (tables.plan.tiles_k, heads_k * splits, batch)
-        _launch("backward_dkdv", grid, tables, score, scale, tiles, dk=dk, dv=dv, **arrays)
+        maps = _maps(tiles[0], tiles[1], q=q, k=k, v=v, dout=dout) if hopper else ()
+        _launch("backward_dkdv" + suffix, grid, tables, score, scale, tiles, maps, dk=dk, dv=dv, **arrays)
+
+
+def _maps(tile_m: int, tile_n: int, **arrays) -> tuple:
+    """The TMA descriptors a Hopper kernel takes after its parameters, in its order (q, k, v[, dout]): query
+    rows in tiles of tile_m, key rows in tiles of tile_n."""
+    rows = {"q": tile_m, "dout": tile_m, "k": tile_n, "v": tile_n}
+    return tuple(tma.tile_map(holder, rows[name]) for name, holder in arrays.items())
 
 
 def classify_blocks(

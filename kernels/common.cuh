@@ -504,4 +504,58 @@ __device__ __forceinline__ void apply_mask(float (&s)[COLS / 8][4], unsigned lon
             if (!((bits >> (4 * n + j)) & 1ull)) s[n][j] = -INFINITY;
 }
 
+// ---- the backward ------------------------------------------------------------------------------------------
+// delta of the warp's 16 rows from global memory, in fp32. Lanes 2r and 2r + 1 share row r, 8 elements per
+// 16-byte load; the result is returned for rows g and g + 8 (the rows of the thread's accumulators) and
+// written out for pass 2.
+__device__ __forceinline__ void row_delta(const Params& p, int b, int h, int row0, int lane, float (&delta)[2]) {
+    const int r = lane >> 1, q = row0 + r;
+    float sum = 0.f;
+    if (q < p.seq_q) {
+        const elem_t* o_row = p.o + b * p.o_sb + h * p.o_sh + (long long)q * p.o_ss;
+        const elem_t* do_row = p.dout + b * p.do_sb + h * p.do_sh + (long long)q * p.do_ss;
+        for (int c = (lane & 1) * 8; c < HEAD_DIM_REAL; c += 16) {
+            const uint4 ov = *reinterpret_cast<const uint4*>(o_row + c);
+            const uint4 dv = *reinterpret_cast<const uint4*>(do_row + c);
+            const elem2_t* o2 = reinterpret_cast<const elem2_t*>(&ov);
+            const elem2_t* d2 = reinterpret_cast<const elem2_t*>(&dv);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float2 of = unpack2(o2[j]), df = unpack2(d2[j]);
+                sum = fmaf(of.x, df.x, fmaf(of.y, df.y, sum));
+            }
+        }
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    if (!(lane & 1) && q < p.seq_q) p.delta[b * p.delta_sb + h * p.delta_sh + q] = sum;
+    const int g = lane >> 2;
+    delta[0] = __shfl_sync(0xffffffffu, sum, 2 * g);
+    delta[1] = __shfl_sync(0xffffffffu, sum, 2 * (g + 8));
+}
+
+// lse * log2(e) of the rows g and g + 8 of a warp's 16 from row0: +inf past the sequence and for rows that
+// attend to nothing (lse = -inf), so that exp2(s - lse2) gives P = 0 there.
+__device__ __forceinline__ void row_lse2(const Params& p, int b, int h, int row0, int lane, float (&lse2)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int q = row0 + (lane >> 2) + 8 * r;
+        const float lse = q < p.seq_q ? p.lse[b * p.lse_sb + h * p.lse_sh + q] : -INFINITY;
+        lse2[r] = lse == -INFINITY ? INFINITY : lse * LOG2E;
+    }
+}
+
+// The dQ pass's dS = P * (dP - delta) in place of the masked scores s of a warp's rows, P = exp2(s * scale_log2
+// - lse2); dp as apply_score_mod left it.
+template <int COLS>
+__device__ __forceinline__ void scores_to_ds(float (&s)[COLS / 8][4], const float (&dp)[COLS / 8][4],
+                                             const float (&lse2)[2], const float (&delta)[2], float scale_log2) {
+#pragma unroll
+    for (int n = 0; n < COLS / 8; ++n)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float prob = exp2f(fmaf(s[n][j], scale_log2, -lse2[j >> 1]));
+            s[n][j] = dscore(prob, dp[n][j], delta[j >> 1]);
+        }
+}
+
 }  // namespace csa

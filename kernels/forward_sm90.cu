@@ -3,9 +3,8 @@
 //
 // One CTA per (query tile, query head, batch element), three warpgroups. The producer gives most of its
 // registers to the others; one of its threads copies the Q tile once, then the K and V tiles that the
-// layout's row lists into a ring of STAGES buffers. Each buffer has a barrier that completes when its copy has
-// landed (k_full, v_full) and one that completes when both consumers are done with it (k_empty, v_empty): K_i
-// is free once S_i has landed, a step before V_i, so the next K copy starts early. Each consumer
+// layout's row lists into two rings of STAGES buffers (hopper.cuh's Ring). K_i is released once S_i has
+// landed, a step before V_i, so the next K copy starts early. Each consumer
 // warpgroup owns 64 query rows: S = Q K^T from shared memory, then the mask, score mod and online softmax of
 // the mma.sync kernel (a warp holds its accumulators alike), then O += P V with P from registers, overlapped
 // with the next tile's softmax. Writes out [B, Hq, Sq, D] and lse [B, Hq, Sq] as forward.cu does.
@@ -27,7 +26,8 @@ struct alignas(1024) Shared {
     elem_t q[TILE_M * HEAD_DIM];
     elem_t k[STAGES][TILE_N * HEAD_DIM];
     elem_t v[STAGES][TILE_N * HEAD_DIM];
-    Barrier q_full, k_full[STAGES], v_full[STAGES], k_empty[STAGES], v_empty[STAGES];
+    Barrier q_full;
+    Ring<STAGES> k_ring, v_ring;
 };
 // The builder launches with sizeof(Shared) and 1024 bytes to align it: dynamic shared memory is only
 // guaranteed 16-byte alignment.
@@ -49,12 +49,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 
     if (threadIdx.x == 0) {
         sh.q_full.init(1);
-        for (int s = 0; s < STAGES; ++s) {
-            sh.k_full[s].init(1);
-            sh.v_full[s].init(1);
-            sh.k_empty[s].init(CONSUMERS * 128);
-            sh.v_empty[s].init(CONSUMERS * 128);
-        }
+        sh.k_ring.init(CONSUMERS * 128);
+        sh.v_ring.init(CONSUMERS * 128);
         fence_barrier_init();
     }
     __syncthreads();
@@ -66,15 +62,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             sh.q_full.expect_bytes(Q_BYTES);
             tma_load_tile(sh.q, q_map, sh.q_full, tile_q * TILE_M, h, b);
             for (int i = 0; i < count; ++i) {
-                const int s = i % STAGES;
-                const unsigned free = ((i / STAGES) & 1) ^ 1;  // the phase in which use i - STAGES ended
                 const int k0 = p.entries[begin + i].x * TILE_N;
-                sh.k_empty[s].wait(free);
-                sh.k_full[s].expect_bytes(KV_BYTES);
-                tma_load_tile(sh.k[s], k_map, sh.k_full[s], k0, hk, b);
-                sh.v_empty[s].wait(free);
-                sh.v_full[s].expect_bytes(KV_BYTES);
-                tma_load_tile(sh.v[s], v_map, sh.v_full[s], k0, hk, b);
+                tma_load_tile(sh.k[i % STAGES], k_map, sh.k_ring.fill(i, KV_BYTES), k0, hk, b);
+                tma_load_tile(sh.v[i % STAGES], v_map, sh.v_ring.fill(i, KV_BYTES), k0, hk, b);
             }
         }
         return;
@@ -95,23 +85,28 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     unsigned pa[TILE_N / 16][4];
     float alpha[2];
     auto issue_scores_of = [&](int i) {
-        sh.k_full[i % STAGES].wait((i / STAGES) & 1);
+        sh.k_ring.wait(i);
         issue_ABt<TILE_N, TILE_M>(sc, sh.q + rows * 64, sh.k[i % STAGES]);
     };
     auto issue_output_of = [&](int i) {
-        sh.v_full[i % STAGES].wait((i / STAGES) & 1);
+        sh.v_ring.wait(i);
         issue_PB<TILE_N>(o, pa, sh.v[i % STAGES]);
     };
-    // Masks, mods and exponentiates S_i once `wait_scores` has seen it land.
-    auto softmax_of = [&](int i, auto&& wait_scores) {
+    // Masks, mods and exponentiates S_i once it has landed; with `behind`, one product issued after S_i (groups
+    // complete in order) may still run.
+    auto softmax_of = [&](int i, bool behind) {
         const int2 e = p.entries[begin + i];
         const int k0 = e.x * TILE_N;
         // The partial tile's mask is worked out while the tensor cores run.
         const unsigned long long keep =
             e.y >= 0 ? mask_bits<false, TILE_N>(p, e.y, b, h, q_tile0, k0, rows + warp * 16, lane) : 0;
-        wait_scores();
+        if (behind) {
+            wgmma_wait<1>();
+        } else {
+            wgmma_wait<0>();
+        }
         fence_operands(sc);
-        sh.k_empty[i % STAGES].arrive();
+        sh.k_ring.release(i);
         apply_score_mod<false, TILE_N>(p, sc, b, h, TilePos<false>(p, q_tile0, k0, rows + warp * 16, lane));
         if (e.y >= 0) apply_mask<TILE_N>(sc, keep);
         sm.step(sc, softmax_scale(p), alpha);
@@ -121,18 +116,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         wgmma_wait<0>();
         fence_operands(o);
         fence_operands(pa);
-        sh.v_empty[i % STAGES].arrive();
+        sh.v_ring.release(i);
     };
 
     if (count > 0) {
         sh.q_full.wait(0);
         issue_scores_of(0);
-        softmax_of(0, [] { wgmma_wait<0>(); });  // the output is still zero: nothing to rescale
+        softmax_of(0, false);  // the output is still zero: nothing to rescale
         to_a_fragments<TILE_N>(sc, pa);
         for (int i = 1; i < count; ++i) {
             issue_scores_of(i);
             issue_output_of(i - 1);                  // reads P_{i-1} from pa while S_i goes to sc
-            softmax_of(i, [] { wgmma_wait<1>(); });  // groups complete in order: S_i has landed
+            softmax_of(i, true);
             finish_output_of(i - 1);
             OnlineSoftmax::rescale(o, alpha);
             to_a_fragments<TILE_N>(sc, pa);

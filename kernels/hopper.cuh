@@ -58,6 +58,30 @@ struct Barrier {
     }
 };
 
+// A ring of STAGES shared buffers that one producer thread fills by TMA and the consumer warpgroups drain, use
+// i going to buffer i % STAGES. Each buffer has a barrier that completes when its copies have landed (full)
+// and one that completes when every consumer thread has released it (empty).
+template <int STAGES>
+struct Ring {
+    Barrier full[STAGES], empty[STAGES];
+
+    __device__ __forceinline__ void init(unsigned consumer_threads) {
+        for (int s = 0; s < STAGES; ++s) {
+            full[s].init(1);
+            empty[s].init(consumer_threads);
+        }
+    }
+    // The producer: waits until use i - STAGES has been released, announces use i's bytes and returns the
+    // barrier its copies complete on. The first STAGES uses do not wait (parity 1 of a fresh barrier).
+    __device__ __forceinline__ Barrier& fill(int i, unsigned bytes) {
+        empty[i % STAGES].wait(((i / STAGES) & 1) ^ 1);
+        full[i % STAGES].expect_bytes(bytes);
+        return full[i % STAGES];
+    }
+    __device__ __forceinline__ void wait(int i) { full[i % STAGES].wait((i / STAGES) & 1); }
+    __device__ __forceinline__ void release(int i) { empty[i % STAGES].arrive(); }
+};
+
 // Makes initialised barriers visible to the TMA unit (the async proxy) before the first copy uses them.
 __device__ __forceinline__ void fence_barrier_init() {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -150,6 +174,11 @@ __device__ __forceinline__ void to_a_fragments(const float (&acc)[K / 8][4], uns
         pa[kk][2] = pack_u32(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
         pa[kk][3] = pack_u32(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
     }
+}
+
+// Synchronises the 128 threads of one warpgroup (named barrier `id`, 1-15; 0 is __syncthreads).
+__device__ __forceinline__ void warpgroup_sync(int id) {
+    asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
 }
 
 // ---- registers ------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from kernel_cases import DTYPES, _torch, cases, layout_for, np_dtype, run_forward, to_host
+from kernel_cases import DTYPES, _torch, cases, hopper_path, layout_for, np_dtype, run_forward, to_host
 from oracle import check_close, forward_refs, random_qkv
 
 from cusparseattn import BlockLayout, patterns
@@ -111,18 +111,7 @@ def test_64bit_offsets():
 def test_both_kernels_of_a_hopper_gpu(hopper, kind, head_dim, dtype, monkeypatch):
     """On an H100/H200 the forward takes the TMA/wgmma kernel; CUSPARSEATTN_HOPPER=0 gives the portable one.
     Both against the reference, on ragged lengths, GQA and a [B, S, H, D] view."""
-    from cusparseattn import cuda
-
-    if cuda.compute_capability(0) != 90:
-        pytest.skip("the Hopper kernel needs compute capability 9.0")
-    monkeypatch.setenv("CUSPARSEATTN_HOPPER", "1" if hopper else "0")
-    launched, launch = [], cuda._launch
-
-    def record(kernel, *args, **kwargs):
-        launched.append(kernel)
-        return launch(kernel, *args, **kwargs)
-
-    monkeypatch.setattr(cuda, "_launch", record)
+    launched = hopper_path(monkeypatch, hopper)
     rng = np.random.default_rng(11)
     q, k, v = random_qkv(rng, 2, 4, 2, 300, 333, head_dim, np_dtype(dtype), "bshd")
     assert_matches(q, k, v, layout_for(kind, rng, 2, 4, 300, 333, 64), dtype)
