@@ -95,6 +95,7 @@ def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int
     return row * (2 * tn + 2 * 2 * tm) + 2 * 2 * tm * 4  # K and V, two stages of Q, dO, lse and delta
 
 
+@functools.cache
 def tile_config(
     kernel: str, head_dim: int, max_shared: int = 227 * 1024, score: bool = False
 ) -> tuple[int, int, int]:

@@ -1,6 +1,6 @@
-"""Which kernels `cusparseattn.cuda` launches and with what arguments, without a GPU: CuPy, the compiled
-kernels and the driver's TMA encoder are stand-ins that record what they are given. The kernels themselves are
-tested on the GPU (tests/test_kernels_*.py)."""
+"""What `cusparseattn.cuda` launches and with which parameters, without a GPU: CuPy and the compiled kernels
+are stand-ins that record what they are given. The kernels themselves are tested on the GPU
+(tests/test_kernels_*.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import types
 import numpy as np
 import pytest
 
-from cusparseattn import build, cuda, patterns, tma
+from cusparseattn import build, cuda, mods, patterns, tma
 
 
 class FakeDeviceArray:
@@ -21,18 +21,22 @@ class FakeDeviceArray:
 
 
 class Holder:
-    """The attributes of a cusparseattn.arrays holder that the launch code reads, of a [B, H, S, D] array."""
+    """The attributes of a cusparseattn.arrays holder that the launch code reads, of a [B, H, S, D] array
+    (or a [B, H, S] one) with distinct strides and address."""
 
-    def __init__(self, shape, strides=None, dtype="bfloat16", address=0x10000000):
+    def __init__(self, shape, dtype="bfloat16", address=0x10000000, pad=0):
         self.shape = tuple(shape)
-        self.strides = strides or tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
+        # A padded row (pad elements), so that every stride differs from the contiguous one.
+        row = shape[-1] + pad
+        self.strides = tuple(int(np.prod(shape[i + 1 : -1])) * row for i in range(len(shape) - 1)) + (1,)
         self.dtype, self.data_ptr, self.device, self.stream = dtype, address, ("cuda", 0), 0
         self.ndim = len(shape)
 
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Every launch as (kernel name, grid, threads, argument count, TMA maps' geometry, shared bytes)."""
+    """Every launch as (spec name, grid, block, args, shared bytes, TMA maps' geometry), on a GPU of compute
+    capability 8.0 (tests of the Hopper kernels set 9.0)."""
     fake = types.ModuleType("cupy")
     fake.asarray = FakeDeviceArray
     fake.cuda = types.SimpleNamespace(
@@ -41,28 +45,106 @@ def launches(monkeypatch):
     )
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(cuda, "_streams", {})
-    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90)
-    monkeypatch.setattr(cuda, "max_shared", lambda device: 227 * 1024)
     monkeypatch.setattr(cuda, "_tables", {})
-    encoded = []
+    monkeypatch.setattr(cuda, "_scores", {})
+    monkeypatch.setattr(cuda, "compute_capability", lambda device: 80)
+    monkeypatch.setattr(cuda, "max_shared", lambda device: 227 * 1024)
+    monkeypatch.delenv("CUSPARSEATTN_HOPPER", raising=False)
+    encoded, record = [], []
 
     def encode(data_ptr, shape, strides, dtype, rows):
         encoded.append(tma.geometry(shape, strides, tma.ITEMSIZE, rows))
         return np.zeros((), tma.TENSOR_MAP)[()]
 
     monkeypatch.setattr(tma, "_tile_map", encode)
-    record = []
 
     def load(spec, device):
         def function(grid, block, args, shared_mem):
             maps, encoded[:] = list(encoded), []
-            record.append((spec.name, grid, block[0], len(args), maps, shared_mem))
+            record.append((spec.name, grid, block, args, shared_mem, maps))
 
         return function
 
     monkeypatch.setattr(build, "load", load)
-    monkeypatch.delenv("CUSPARSEATTN_HOPPER", raising=False)
-    return record
+    cuda._kernel.cache_clear()
+    yield record
+    cuda._kernel.cache_clear()
+
+
+def fieldwise(tables, score, scale, **arrays) -> bytes:
+    """The parameter struct as NumPy fills it field by field: what the launch's packed bytes must equal."""
+    params = np.frombuffer(tables.params, build.PARAMS).copy()[0]
+    names = {"out": ("o", "o"), "dout": ("dout", "do")}
+    for name, holder in arrays.items():
+        pointer, prefix = names.get(name, (name, name))
+        params[pointer] = holder.data_ptr
+        for suffix, stride in zip(("sb", "sh", "ss"), holder.strides[:-1], strict=False):
+            params[f"{prefix}_{suffix}"] = stride
+    q, k = arrays["q"], arrays["k"]
+    params["seq_q"], params["seq_k"] = q.shape[2], k.shape[2]
+    params["heads_q"], params["group"] = q.shape[1], q.shape[1] // k.shape[1]
+    params["scale"] = scale
+    if score is not None:
+        params["score_ip"][:] = np.frombuffer(score.fields[:64], np.int64)
+        params["score_fp"][:] = np.frombuffer(score.fields[64:96], np.float32)
+        params["score_a"][:] = np.frombuffer(score.fields[96:], np.uint64)
+    return params.tobytes()
+
+
+def test_forward_packs_every_field(launches):
+    seq, dim = 300, 64
+    q, out = Holder((2, 4, seq, dim), address=0x1000, pad=8), Holder((2, 4, seq, dim), address=0x2000)
+    k, v = Holder((2, 2, 333, dim), address=0x3000, pad=16), Holder((2, 2, 333, dim), address=0x4000, pad=24)
+    lse = Holder((2, 4, seq), dtype="float32", address=0x5000)
+    layout = patterns.causal(block=64).layout(seq, 333)
+    cuda.forward(q, k, v, out, lse, layout, 0.125)
+    ((name, grid, block, args, shared, maps),) = launches
+    tiles = build.tile_config("forward", dim)
+    assert name == build.KernelSpec("forward", "bfloat16", dim, tiles, "expr", layout.rule.c_expr).name
+    assert grid == (-(-seq // tiles[0]), 4, 2) and block == (tiles[2] * 32, 1, 1)
+    assert shared == build.shared_bytes("forward", dim, tiles) and maps == []
+    tables = cuda.device_tables(layout, tiles[0], tiles[1], 0)
+    assert args[0].tobytes() == fieldwise(tables, None, 0.125, q=q, k=k, v=v, out=out, lse=lse)
+
+
+def test_backward_packs_both_passes_and_a_score_mod(launches):
+    seq, dim = 200, 128
+    q, dout, out, dq = (Holder((1, 4, seq, dim), address=0x1000 * (i + 1), pad=8 * i) for i in range(4))
+    k, v, dk, dv = (Holder((1, 1, seq, dim), address=0x10000 * (i + 1), pad=8 * i) for i in range(4))
+    lse, delta = (Holder((1, 4, seq), dtype="float32", address=0x100000 * (i + 1)) for i in range(2))
+    layout = patterns.dense(block=64).layout(seq)
+    score_mod = mods.score_mod(mods.compose(mods.alibi(mods.alibi_slopes(4)), mods.softcap(30.0)))
+    cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, delta, layout, 0.5, score_mod=score_mod)
+    (dq_name, *_, dq_args, _, _), (kv_name, *_, kv_args, _, _) = launches
+    assert dq_name.startswith("backward_dq_") and kv_name.startswith("backward_dkdv_")
+    score = cuda.score_tables(score_mod, 0)
+    assert np.frombuffer(score.fields[64:96], np.float32)[: len(score_mod.float_params)].tolist() == list(
+        np.float32(score_mod.float_params)
+    )
+    assert np.frombuffer(score.fields[96:], np.uint64)[0] == score.arrays[0].data.ptr
+    common = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, delta=delta)
+    for kernel, args, outputs in (
+        ("backward_dq", dq_args, dict(dq=dq)),
+        ("backward_dkdv", kv_args, dict(dk=dk, dv=dv)),
+    ):
+        tiles = build.tile_config(kernel, dim, score=True)
+        tables = cuda.device_tables(layout, tiles[0], tiles[1], 0)
+        assert args[0].tobytes() == fieldwise(tables, score, 0.5, **common, **outputs), kernel
+
+
+def test_a_cached_launch_builds_no_spec(launches, monkeypatch):
+    seq, dim = 128, 64
+    q, k, v, out = (Holder((1, 2, seq, dim)) for _ in range(4))
+    lse = Holder((1, 2, seq), dtype="float32")
+    layout = patterns.dense(block=64).layout(seq)
+    cuda.forward(q, k, v, out, lse, layout, 0.1)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a cached launch built a KernelSpec")
+
+    monkeypatch.setattr(build, "KernelSpec", refuse)
+    cuda.forward(q, k, v, out, lse, layout, 0.2)
+    assert len(launches) == 2
 
 
 def _forward(head_dim, seq=300, **kwargs):
@@ -76,9 +158,11 @@ def _forward(head_dim, seq=300, **kwargs):
 
 
 @pytest.mark.parametrize("head_dim", build.HOPPER_HEAD_DIMS)
-def test_hopper_gpus_run_the_hopper_forward_with_three_tma_maps(launches, head_dim):
+def test_hopper_gpus_run_the_hopper_forward_with_three_tma_maps(launches, monkeypatch, head_dim):
+    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90)
     _forward(head_dim)
-    ((name, grid, threads, nargs, maps, shared),) = launches
+    ((name, grid, (threads, _, _), args, shared, maps),) = launches
+    nargs = len(args)
     assert name.startswith(f"forward_sm90_bf16_d{head_dim}_q128k128w12") and threads == 384
     assert grid == (3, 4, 2) and nargs == 4  # 300 rows in tiles of 128; the parameters, then q, k, v maps
     assert shared == build.shared_bytes("forward_sm90", head_dim, (128, 128, 12))
@@ -94,31 +178,32 @@ def test_hopper_gpus_run_the_hopper_forward_with_three_tma_maps(launches, head_d
     ids=["head-dim-96", "misaligned", "turned-off"],
 )
 def test_the_portable_forward_takes_what_tma_cannot(launches, monkeypatch, head_dim, kwargs, env):
+    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90)
     if env is not None:
         monkeypatch.setenv("CUSPARSEATTN_HOPPER", env)
     _forward(head_dim, **kwargs)
-    ((name, _, threads, nargs, maps, _),) = launches
-    assert name.startswith("forward_bf16") and nargs == 1 and maps == [] and threads == 256
+    ((name, _, (threads, _, _), args, _, maps),) = launches
+    assert name.startswith("forward_bf16") and len(args) == 1 and maps == [] and threads == 256
 
 
-def test_other_gpus_run_the_portable_kernels(launches, monkeypatch):
-    monkeypatch.setattr(cuda, "compute_capability", lambda device: 80)
+def test_other_gpus_run_the_portable_kernels(launches):
     _forward(128)
     assert launches[0][0].startswith("forward_bf16")
     assert cuda.hopper_device_reasons(0) == ["the Hopper kernels need compute capability 9.0, cuda:0 has 8.0"]
 
 
 @pytest.mark.parametrize("head_dim", build.HOPPER_HEAD_DIMS)
-def test_hopper_backward_passes_take_query_and_key_tiles_of_their_own(launches, head_dim):
+def test_hopper_backward_passes_take_query_and_key_tiles_of_their_own(launches, monkeypatch, head_dim):
+    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90)
     seq = 300
     q, dout, out, dq = (Holder((2, 4, seq, head_dim)) for _ in range(4))
     k, v, dk, dv = (Holder((2, 2, seq, head_dim)) for _ in range(4))
     lse, delta = Holder((2, 4, seq), dtype="float32"), Holder((2, 4, seq), dtype="float32")
     layout = patterns.causal(block=64).layout(seq)
     cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, delta, layout, 0.1)
-    (dq_name, dq_grid, _, dq_nargs, dq_maps, _), (kv_name, kv_grid, _, kv_nargs, kv_maps, _) = launches
+    (dq_name, dq_grid, _, dq_args, _, dq_maps), (kv_name, kv_grid, _, kv_args, _, kv_maps) = launches
     assert dq_name.startswith("backward_dq_sm90") and kv_name.startswith("backward_dkdv_sm90")
-    assert dq_grid == (3, 4, 2) and kv_grid == (3, 2, 2) and dq_nargs == kv_nargs == 5
+    assert dq_grid == (3, 4, 2) and kv_grid == (3, 2, 2) and len(dq_args) == len(kv_args) == 5
     # q, k, v, dout: the dQ pass reads 128 query rows and 64 keys a tile, the dK/dV pass 64 and 128.
     assert [m[2][1] for m in dq_maps] == [128, 64, 64, 128]
     assert [m[2][1] for m in kv_maps] == [64, 128, 128, 64]
