@@ -112,7 +112,7 @@ def hopper_reasons(q, k, v, dout=None) -> list[str]:
     return [
         f"TMA cannot read {name}: {reason}"
         for name, t in named
-        for reason in tma.reasons(t.shape, t.strides, tma.ITEMSIZE, t.data_ptr)
+        for reason in tma.reasons(tuple(t.shape), tuple(t.strides), tma.ITEMSIZE, t.data_ptr % 16)
     ]
 
 

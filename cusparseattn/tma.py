@@ -37,20 +37,22 @@ def geometry(shape, strides, itemsize: int, rows: int):
     return dims, byte_strides, box
 
 
-def reasons(shape, strides, itemsize: int, data_ptr: int) -> list[str]:
-    """Why TMA cannot describe this [B, H, S, D] array (empty when it can)."""
+@functools.lru_cache(maxsize=1024)
+def reasons(shape: tuple, strides: tuple, itemsize: int, data_ptr: int) -> tuple[str, ...]:
+    """Why TMA cannot describe this [B, H, S, D] array (empty when it can). Only data_ptr % 16 matters:
+    callers pass that, so that the answer is cached per geometry."""
     out = []
     if any(s == 0 and n > 1 for s, n in zip(strides[:3], shape[:3], strict=True)):
         out.append(f"it is broadcast (strides {tuple(strides)} in elements)")
     if shape[3] % PANEL:
         out.append(f"its head dim {shape[3]} is not a multiple of {PANEL}")
     if data_ptr % 16:
-        out.append(f"its data is not 16-byte aligned (address {data_ptr:#x})")
+        out.append(f"its data is not 16-byte aligned (address = {data_ptr % 16} mod 16)")
     if strides[3] != 1 or any((s * itemsize) % 16 or s < 0 for s in strides[:3]):
         out.append(f"its strides {tuple(strides)} (in elements) are not whole 16-byte steps")
     if any(s * itemsize >= 1 << 40 for s in strides[:3]):
         out.append(f"its strides {tuple(strides)} exceed TMA's 2^40 bytes")
-    return out
+    return tuple(out)
 
 
 @functools.cache

@@ -24,7 +24,7 @@ def test_a_bshd_view_keeps_its_strides():
     assert dims == (64, 50, 1, 4, 2)
     assert byte_strides[0] == 4 * 64 * 2 and byte_strides[2] == 64 * 2 and byte_strides[3] == 50 * 4 * 64 * 2
     assert box == (64, 64, 1, 1, 1)
-    assert tma.reasons(x.shape, strides, 2, 0x1000) == []
+    assert tma.reasons(x.shape, strides, 2, 0) == ()
 
 
 def test_dimensions_of_size_one_get_a_legal_stride():
@@ -43,7 +43,7 @@ def test_dimensions_of_size_one_get_a_legal_stride():
     ],
 )
 def test_reasons_name_what_tma_cannot_describe(shape, strides, address, match):
-    assert any(match in reason for reason in tma.reasons(shape, strides, 2, address))
+    assert any(match in reason for reason in tma.reasons(shape, strides, 2, address % 16))
 
 
 def test_descriptor_is_128_opaque_bytes():
