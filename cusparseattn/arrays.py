@@ -225,22 +225,25 @@ class TorchTensor(Tensor):
         if not isinstance(native, torch.Tensor):
             raise TypeError(f"{name} must be an array, got {_type_name(native)}")
         super().__init__(native, name)
+        # Read once: a holder lives for one call, and validation and the launch read these many times.
+        self._shape, self._strides = tuple(native.shape), tuple(native.stride())
+        self._dtype, self._device = torch_dtype_name(native.dtype), torch_device(native.device)
 
     @property
     def shape(self):
-        return tuple(self.native.shape)
+        return self._shape
 
     @property
     def strides(self):
-        return tuple(self.native.stride())
+        return self._strides
 
     @property
     def dtype(self):
-        return torch_dtype_name(self.native.dtype)
+        return self._dtype
 
     @property
     def device(self):
-        return torch_device(self.native.device)
+        return self._device
 
     @property
     def data_ptr(self):
