@@ -7,7 +7,8 @@
 // landed, a step before V_i, so the next K copy starts early. Each consumer
 // warpgroup owns 64 query rows: S = Q K^T from shared memory, then the mask, score mod and online softmax of
 // the mma.sync kernel (a warp holds its accumulators alike), then O += P V with P from registers, overlapped
-// with the next tile's softmax. Writes out [B, Hq, Sq, D] and lse [B, Hq, Sq] as forward.cu does.
+// with the next tile's softmax. The two consumers take turns to issue their products, so that one's softmax
+// overlaps the other's matrix products. Writes out [B, Hq, Sq, D] and lse [B, Hq, Sq] as forward.cu does.
 #include "hopper.cuh"
 
 using namespace csa;
@@ -72,7 +73,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     claim_registers<240>();
 
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31;
-    const int rows = (warpgroup - 1) * 64;  // this consumer's first row in the tile
+    const int consumer = warpgroup - 1, rows = consumer * 64;  // rows: this consumer's first row in the tile
     const int q_tile0 = tile_q * TILE_M;
     float o[HEAD_DIM / 8][4];
     zero(o);
@@ -119,20 +120,29 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         sh.v_ring.release(i);
     };
 
+    // The consumers take turns to issue (ping-pong): consumer 0 first, and the last turn of consumer 1 is not
+    // passed on, so every wait meets exactly one arrival.
     if (count > 0) {
         sh.q_full.wait(0);
+        if (consumer == 1) pass_turn(consumer);
+        take_turn(consumer);
         issue_scores_of(0);
+        pass_turn(consumer);
         softmax_of(0, false);  // the output is still zero: nothing to rescale
         to_a_fragments<TILE_N>(sc, pa);
         for (int i = 1; i < count; ++i) {
+            take_turn(consumer);
             issue_scores_of(i);
-            issue_output_of(i - 1);                  // reads P_{i-1} from pa while S_i goes to sc
+            issue_output_of(i - 1);  // reads P_{i-1} from pa while S_i goes to sc
+            pass_turn(consumer);
             softmax_of(i, true);
             finish_output_of(i - 1);
             OnlineSoftmax::rescale(o, alpha);
             to_a_fragments<TILE_N>(sc, pa);
         }
+        take_turn(consumer);
         issue_output_of(count - 1);
+        if (consumer == 0) pass_turn(consumer);
         finish_output_of(count - 1);
     }
     finish_rows(p, sm, o, b, h, q_tile0 + rows + warp * 16, lane);

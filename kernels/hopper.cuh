@@ -181,6 +181,16 @@ __device__ __forceinline__ void warpgroup_sync(int id) {
     asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
 }
 
+// Turns between two consumer warpgroups (named barriers 1 and 2, 256 threads each: one warpgroup waits, the
+// other arrives). Consumer c takes its turn on barrier 1 + c and passes it on barrier 2 - c: while one issues
+// its products, the other runs its softmax.
+__device__ __forceinline__ void take_turn(int consumer) {
+    asm volatile("bar.sync %0, 256;\n" ::"r"(1 + consumer) : "memory");
+}
+__device__ __forceinline__ void pass_turn(int consumer) {
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - consumer) : "memory");
+}
+
 // ---- registers ------------------------------------------------------------------------------------------
 // A warpgroup's per-thread register budget: the producer gives registers back, the consumers take them.
 template <int REGS>
