@@ -2,8 +2,8 @@
 // pass 2. The structure of forward_sm90.cu: a producer warpgroup copies the Q and dO tiles once and streams
 // the K and V tiles of the layout's row through two rings; each consumer warpgroup owns 64 query rows,
 // recomputes S = Q K^T and dP = dO V^T with both operands in shared memory, forms dS = P * (dP - delta) in
-// registers and accumulates dQ += dS K with dS as register fragments and K read MN-major. dQ is written once:
-// no atomics, so two runs give the same bits.
+// registers and accumulates dQ += dS K with dS as register fragments and K read MN-major, overlapped with the
+// next tile's dS. dQ is written once: no atomics, so two runs give the same bits.
 #include "hopper.cuh"
 
 using namespace csa;
@@ -77,20 +77,29 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 
     float dq[HEAD_DIM / 8][4];
     zero(dq);
-    if (count > 0) sh.q_full.wait(0);
-    for (int i = 0; i < count; ++i) {
-        const int2 e = p.entries[begin + i];
-        const int k0 = e.x * TILE_N;
-        const elem_t* k = sh.k[i % STAGES];
-        float s[TILE_N / 8][4], dp[TILE_N / 8][4];
+    // Step i issues S_i = Q K_i^T and dP_i = dO V_i^T, then dQ += dS_{i-1} K_{i-1}, and forms dS_i while the
+    // last product runs (straight-line code around the waits keeps the products asynchronous).
+    float s[TILE_N / 8][4], dp[TILE_N / 8][4];
+    unsigned ds[TILE_N / 16][4];
+    auto issue_scores_of = [&](int i) {
         sh.k_ring.wait(i);
-        issue_ABt<TILE_N, TILE_M>(s, sh.q + rows * 64, k);
+        issue_ABt<TILE_N, TILE_M>(s, sh.q + rows * 64, sh.k[i % STAGES]);
         sh.v_ring.wait(i);
         issue_ABt<TILE_N, TILE_M>(dp, sh.dout + rows * 64, sh.v[i % STAGES]);
+    };
+    // dS_i into ds once S_i and dP_i have landed; with `behind`, the dQ product issued after them may still
+    // run (groups complete in order).
+    auto ds_of = [&](int i, bool behind) {
+        const int2 e = p.entries[begin + i];
+        const int k0 = e.x * TILE_N;
         // The partial tile's mask is worked out while the tensor cores run.
         const unsigned long long keep =
             e.y >= 0 ? mask_bits<false, TILE_N>(p, e.y, b, h, q_tile0, k0, rows + warp * 16, lane) : 0;
-        wgmma_wait<0>();
+        if (behind) {
+            wgmma_wait<1>();
+        } else {
+            wgmma_wait<0>();
+        }
         fence_operands(s);
         fence_operands(dp);
         sh.v_ring.release(i);
@@ -99,13 +108,29 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             TilePos<false>(p, q_tile0, k0, rows + warp * 16, lane));
         if (e.y >= 0) apply_mask<TILE_N>(s, keep);
         scores_to_ds<TILE_N>(s, dp, lse2, delta, scale_log2);
-        unsigned ds[TILE_N / 16][4];
-        to_a_fragments<TILE_N>(s, ds);
-        issue_PB<TILE_N>(dq, ds, k);
+    };
+    // Waits for dQ += dS_i K_i and hands K_i's buffer back; ds is free again.
+    auto finish_dq_of = [&](int i) {
         wgmma_wait<0>();
         fence_operands(dq);
         fence_operands(ds);
         sh.k_ring.release(i);
+    };
+
+    if (count > 0) {
+        sh.q_full.wait(0);
+        issue_scores_of(0);
+        ds_of(0, false);
+        to_a_fragments<TILE_N>(s, ds);
+        for (int i = 1; i < count; ++i) {
+            issue_scores_of(i);
+            issue_PB<TILE_N>(dq, ds, sh.k[(i - 1) % STAGES]);  // reads dS_{i-1} from ds while S_i goes to s
+            ds_of(i, true);
+            finish_dq_of(i - 1);
+            to_a_fragments<TILE_N>(s, ds);
+        }
+        issue_PB<TILE_N>(dq, ds, sh.k[(count - 1) % STAGES]);
+        finish_dq_of(count - 1);
     }
     const float factor[2] = {p.scale, p.scale};
     store_rows<HEAD_DIM>(dq, factor, p.dq + b * p.dq_sb + h * p.dq_sh, p.dq_ss, row0, p.seq_q, 0, lane);
