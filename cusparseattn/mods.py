@@ -100,7 +100,8 @@ def score_mod(fn: Callable, *, name: str | None = None) -> ScoreMod:
     """Trace a ``score_mod(score, b, h, q_idx, kv_idx) -> score`` into a `ScoreMod` (a ScoreMod passes).
 
     Raises `cusparseattn.trace.TraceError` (a TypeError) when ``fn`` cannot be traced, and a ValueError when
-    the kernels cannot take it (more than 8 integer or 8 float parameters, or 4 arrays).
+    the kernels cannot take it (more than 8 integer or 8 float parameters, or 4 arrays). The same function
+    with unchanged captured values (`cusparseattn.trace.environment`) returns the same ScoreMod.
 
     >>> sm = score_mod(lambda score, b, h, q_idx, kv_idx: score - 0.1 * abs(q_idx - kv_idx))
     >>> sm.c_expr
