@@ -506,6 +506,84 @@ class Graph:
         return cell if new is value else types.CellType(new)
 
 
+# ---- the environment a trace depends on ------------------------------------------------------------------
+class Unversioned(Exception):
+    """A value a function reaches whose changes cannot be seen without tracing again (a dict, an object, a
+    large writable NumPy array, a CuPy array): such a function is traced on every call."""
+
+
+# Writable NumPy arrays up to this size are compared by content; larger ones are not worth the copy.
+_COMPARED_BYTES = 4096
+
+
+def environment(fn) -> tuple[tuple, list]:
+    """``(key, held)``: a key that changes whenever anything `Graph.capture` reads from ``fn`` (closure cells,
+    default arguments, user-module globals, recursively) changes, and the objects the key names by identity,
+    which the caller holds so that their ids are not reused. Numbers and strings count by value, code by
+    identity, arrays by identity and version (PyTorch's in-place counter; content for small writable NumPy
+    arrays; JAX arrays and read-only NumPy arrays cannot change). Raises `Unversioned` otherwise."""
+    held: list = []
+    return _environment(fn, held, {}), held
+
+
+def _environment(value, held: list, memo: dict):
+    if id(value) in memo:
+        return ("seen", memo[id(value)])
+    memo[id(value)] = len(memo)
+    if value is None or isinstance(value, (bool, np.bool_, str, bytes, types.ModuleType)):
+        return ("value", value)
+    if _is_number(value):
+        return ("number", type(value).__name__, value)
+    if isinstance(value, CapturedArray):  # a snapshot taken when it was made
+        held.append(value)
+        return ("captured", id(value))
+    if _is_array(value):
+        held.append(value)
+        return ("array", id(value), *_array_version(value))
+    if isinstance(value, ScoreMod):
+        return _environment(value.fn, held, memo)
+    if isinstance(value, TokenRule) and isinstance(value.fn, TracedMask):
+        return _environment(value.fn.original, held, memo)
+    if type(value) in (tuple, list):
+        return (type(value).__name__, *(_environment(v, held, memo) for v in value))
+    if isinstance(value, types.FunctionType):
+        package = (getattr(value, "__module__", None) or "").split(".")[0]
+        if package in _LIBRARIES:
+            return ("library", id(value))
+        cells = []
+        for cell in value.__closure__ or ():
+            try:
+                cells.append(_environment(cell.cell_contents, held, memo))
+            except ValueError:  # an empty cell
+                cells.append(("empty",))
+        namespace = value.__globals__
+        names = sorted(_global_names(value.__code__)) if package != __package__ else []
+        held.append(value.__code__)
+        return (
+            "function",
+            id(value.__code__),
+            tuple(cells),
+            _environment(value.__defaults__, held, memo),
+            tuple((n, _environment(v, held, memo)) for n, v in sorted((value.__kwdefaults__ or {}).items())),
+            tuple((n, _environment(namespace[n], held, memo)) for n in names if n in namespace),
+        )
+    raise Unversioned(f"{type(value).__name__} values are not tracked between calls")
+
+
+def _array_version(array) -> tuple:
+    root = _root(array)
+    if root == "torch":
+        return ("torch", array._version)
+    if root in ("jax", "jaxlib"):
+        return ("jax",)
+    if isinstance(array, np.ndarray):
+        if not array.flags.writeable:
+            return ("numpy",)
+        if array.nbytes <= _COMPARED_BYTES:
+            return ("numpy", array.dtype.str, array.shape, array.tobytes())
+    raise Unversioned(f"a {type(array).__name__} of {getattr(array, 'nbytes', '?')} bytes is not tracked")
+
+
 def _global_names(code: types.CodeType) -> set[str]:
     names = set(code.co_names)
     for const in code.co_consts:

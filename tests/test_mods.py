@@ -386,3 +386,96 @@ def test_values_change_results_not_structure(window, cap, seq):
 def test_docstring_examples():
     result = doctest.testmod(mods, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0
+
+
+# ---- reusing traces ----------------------------------------------------------------------------------------
+@pytest.fixture
+def traces(monkeypatch):
+    """Counts the traces mods.score_mod runs, from an empty cache."""
+    monkeypatch.setattr(mods, "_traced", type(mods._traced)())
+    calls = []
+    original = mods.ScoreMod.trace
+
+    def counted(fn, name=None):
+        calls.append(fn)
+        return original(fn, name)
+
+    monkeypatch.setattr(mods.ScoreMod, "trace", counted)
+    return calls
+
+
+def _offset_mod(offset):
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + offset
+
+    return mod
+
+
+def test_the_same_function_is_traced_once(traces):
+    fn = mods.compose(mods.alibi(mods.alibi_slopes(4)), mods.softcap(20.0))
+    first = mods.score_mod(fn)
+    assert mods.score_mod(fn) is first and len(traces) == 1
+    assert mods.score_mod(fn, name="other") is not first  # the name is part of what is cached
+
+
+def test_a_changed_closure_value_is_traced_again(traces):
+    fn = _offset_mod(1.5)
+    assert mods.score_mod(fn).float_params == (1.5,)
+    fn.__closure__[0].cell_contents = 2.5
+    assert mods.score_mod(fn).float_params == (2.5,) and len(traces) == 2
+
+
+def test_a_changed_global_is_traced_again(traces):
+    global GLOBAL_OFFSET
+    GLOBAL_OFFSET = 0.25
+
+    def fn(score, b, h, q_idx, kv_idx):
+        return score * GLOBAL_OFFSET
+
+    assert mods.score_mod(fn).float_params == (0.25,)
+    GLOBAL_OFFSET = 0.75
+    assert mods.score_mod(fn).float_params == (0.75,) and len(traces) == 2
+
+
+def test_tables_changed_in_place_are_traced_again(traces):
+    # A learnable bias updated by an optimizer step: PyTorch's version counter shows the in-place change.
+    bias = torch.zeros(16)
+    small = np.zeros(16, np.float32)
+
+    def fn(score, b, h, q_idx, kv_idx):
+        return score + bias[q_idx - kv_idx] + small[kv_idx]
+
+    first = mods.score_mod(fn)
+    assert mods.score_mod(fn) is first
+    with torch.no_grad():
+        bias += 1.0
+    second = mods.score_mod(fn)
+    assert second is not first and np.all(second.arrays[0] == 1.0)
+    small[3] = 5.0
+    third = mods.score_mod(fn)
+    assert third is not second and third.arrays[1][3] == 5.0 and len(traces) == 3
+
+
+def test_values_it_cannot_watch_are_traced_every_call(traces):
+    tables = {"bias": mods.captured(np.arange(8.0))}
+    large = np.zeros(4096, np.float32)  # writable and larger than what is compared by content
+
+    def in_dict(score, b, h, q_idx, kv_idx):
+        return score + tables["bias"][q_idx - kv_idx]
+
+    def in_large(score, b, h, q_idx, kv_idx):
+        return score + large[q_idx]
+
+    for fn in (in_dict, in_large, in_dict, in_large):
+        mods.score_mod(fn)
+    assert len(traces) == 4
+
+
+def test_the_cache_keeps_the_last_functions_only(traces):
+    fns = [_offset_mod(float(i)) for i in range(mods._TRACED_MAX + 4)]
+    for fn in fns:
+        mods.score_mod(fn)
+    assert len(mods._traced) == mods._TRACED_MAX
+    mods.score_mod(fns[-1])
+    mods.score_mod(fns[0])  # dropped: traced again
+    assert len(traces) == len(fns) + 1
