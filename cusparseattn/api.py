@@ -16,9 +16,11 @@ PyTorch tensors (custom operators with registered autograd, which ``torch.compil
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 import numbers
+import threading
 import weakref
 
 from . import backends, mods
@@ -27,7 +29,11 @@ from .backends import Inputs
 from .layout import BlockLayout
 
 _causal_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_mask_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The last mask functions' Patterns: (fn, batch, heads) -> (environment key, Pattern). A Pattern holds its
+# function and layouts: a few entries, not one per lambda ever seen.
+_MASK_CACHE_MAX = 16
+_mask_cache: collections.OrderedDict = collections.OrderedDict()
+_mask_lock = threading.Lock()
 
 
 def attention(
@@ -171,17 +177,31 @@ def _resolve_layout(layout, causal: bool, sizes: Sizes) -> BlockLayout:
 
 
 def _mask_pattern(fn, batch: int, heads: int):
-    """``patterns.from_mask(fn)`` over these batch elements and heads, kept while ``fn`` lives (a Pattern
-    caches its layouts per lengths, so the same function gives the same layout object)."""
+    """``patterns.from_mask(fn)`` over these batch elements and heads. The same function gives the same
+    Pattern (which caches its layouts per lengths, so the kernels' tables are reused) while what it captures
+    is unchanged (`cusparseattn.trace.environment`: document ids refilled in place in a torch tensor give a
+    new layout). Values whose changes cannot be seen (dicts, large writable NumPy arrays) are taken as
+    unchanged: building a layout costs far more than a trace."""
     from . import patterns
+    from .trace import Unversioned, environment
 
     try:
-        per_size = _mask_cache.setdefault(fn, {})
-    except TypeError:  # not weakly referenceable: build each time
-        per_size = {}
-    pattern = per_size.get((batch, heads))
-    if pattern is None:
-        pattern = per_size[(batch, heads)] = patterns.from_mask(fn, batch=batch, heads=heads)
+        key = environment(fn)
+    except Unversioned:
+        key = (None, [])
+    try:
+        with _mask_lock:
+            cached = _mask_cache.get((fn, batch, heads))
+    except TypeError:  # an unhashable callable: build each time
+        return patterns.from_mask(fn, batch=batch, heads=heads)
+    if cached is not None and cached[0][0] == key[0]:
+        return cached[1]
+    pattern = patterns.from_mask(fn, batch=batch, heads=heads)
+    with _mask_lock:
+        _mask_cache[(fn, batch, heads)] = (key, pattern)  # key[1] holds what the key names by identity
+        _mask_cache.move_to_end((fn, batch, heads))
+        while len(_mask_cache) > _MASK_CACHE_MAX:
+            _mask_cache.popitem(last=False)
     return pattern
 
 
