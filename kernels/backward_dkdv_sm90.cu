@@ -37,7 +37,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                            const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map,
                            const __grid_constant__ TensorMap do_map) {
     extern __shared__ unsigned char smem_raw[];
-    Shared& sh = *reinterpret_cast<Shared*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
+    Shared& sh = aligned_shared<Shared>(smem_raw);
     if (threadIdx.x == 0 && dynamic_smem_size() < SHARED_BYTES) __trap();
 
     const int tile_k = blockIdx.x;  // the first key tiles are the heaviest columns of causal-like layouts
@@ -58,15 +58,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             int n = 0;  // uses of the ring, over the heads of the group
             for (int j = 0; j < p.group; ++j) {
                 const int h = hk * p.group + j;
-                const int line = layout_line(p, b, h) * p.tiles_k + tile_k;
-                const int begin = p.col_ptr[line], count = p.col_ptr[line + 1] - begin;
-                for (int i = 0; i < count; ++i, ++n) {
+                const Span span = column_span(p, b, h, tile_k);
+                for (int i = 0; i < span.count; ++i, ++n) {
                     if (n == 0) {
                         sh.kv_full.expect_bytes(2 * KV_BYTES);
                         tma_load_tile(sh.k, k_map, sh.kv_full, k_tile0, hk, b);
                         tma_load_tile(sh.v, v_map, sh.kv_full, k_tile0, hk, b);
                     }
-                    const int q0 = p.col_entries[begin + i].x * TILE_M;
+                    const int q0 = p.col_entries[span.begin + i].x * TILE_M;
                     Barrier& full = sh.q_ring.fill(n, 2 * Q_BYTES);
                     tma_load_tile(sh.q[n % STAGES], q_map, full, q0, h, b);
                     tma_load_tile(sh.dout[n % STAGES], do_map, full, q0, h, b);
@@ -88,12 +87,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     int n = 0;
     for (int j = 0; j < p.group; ++j) {
         const int h = hk * p.group + j;
-        const int line = layout_line(p, b, h) * p.tiles_k + tile_k;
-        const int begin = p.col_ptr[line], count = p.col_ptr[line + 1] - begin;
+        const Span span = column_span(p, b, h, tile_k);
         const float* lse_head = p.lse + b * p.lse_sb + h * p.lse_sh;
         const float* delta_head = p.delta + b * p.delta_sb + h * p.delta_sh;
-        for (int i = 0; i < count; ++i, ++n) {
-            const int2 e = p.col_entries[begin + i];
+        for (int i = 0; i < span.count; ++i, ++n) {
+            const int2 e = p.col_entries[span.begin + i];
             const int q0 = e.x * TILE_M;
             const elem_t* q = sh.q[n % STAGES];
             const elem_t* dout = sh.dout[n % STAGES];

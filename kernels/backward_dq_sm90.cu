@@ -16,7 +16,6 @@ static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM == HEAD_DIM_REAL, "tiles are whole 
 static_assert(TILE_N % 16 == 0 && TILE_N <= 256, "a key tile is one wgmma N");
 
 constexpr unsigned Q_BYTES = TILE_M * HEAD_DIM * sizeof(elem_t);
-constexpr unsigned KV_BYTES = TILE_N * HEAD_DIM * sizeof(elem_t);
 
 struct alignas(1024) Shared {
     elem_t q[TILE_M * HEAD_DIM];
@@ -33,13 +32,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                          const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map,
                          const __grid_constant__ TensorMap do_map) {
     extern __shared__ unsigned char smem_raw[];
-    Shared& sh = *reinterpret_cast<Shared*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
+    Shared& sh = aligned_shared<Shared>(smem_raw);
     if (threadIdx.x == 0 && dynamic_smem_size() < SHARED_BYTES) __trap();
 
-    const int tile_q = p.tiles_q - 1 - blockIdx.x;  // heaviest rows of causal-like layouts first
+    const int tile_q = query_tile(p);
     const int h = blockIdx.y, b = blockIdx.z;
-    const int line = layout_line(p, b, h) * p.tiles_q + tile_q;
-    const int begin = p.row_ptr[line], count = p.row_ptr[line + 1] - begin;
+    const Span span = row_span(p, b, h, tile_q);
+    const int begin = span.begin, count = span.count;
     const int warpgroup = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
@@ -53,15 +52,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     if (warpgroup == 0) {
         release_registers<24>();
         if (threadIdx.x == 0 && count > 0) {
-            const int hk = h / p.group;
             sh.q_full.expect_bytes(2 * Q_BYTES);
             tma_load_tile(sh.q, q_map, sh.q_full, tile_q * TILE_M, h, b);
             tma_load_tile(sh.dout, do_map, sh.q_full, tile_q * TILE_M, h, b);
-            for (int i = 0; i < count; ++i) {
-                const int k0 = p.entries[begin + i].x * TILE_N;
-                tma_load_tile(sh.k[i % STAGES], k_map, sh.k_ring.fill(i, KV_BYTES), k0, hk, b);
-                tma_load_tile(sh.v[i % STAGES], v_map, sh.v_ring.fill(i, KV_BYTES), k0, hk, b);
-            }
+            stream_kv<TILE_N>(p, span, h / p.group, b, sh.k, sh.v, k_map, v_map, sh.k_ring, sh.v_ring);
         }
         return;
     }

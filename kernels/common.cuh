@@ -90,6 +90,24 @@ __device__ __forceinline__ int layout_line(const Params& p, int b, int h) {
     return (p.layout_batch > 1 ? b : 0) * p.layout_heads + (p.layout_heads > 1 ? h : 0);
 }
 
+// A span of the tile table's entries: the key tiles of one query tile's row (row_ptr / entries), or the query
+// tiles of one key tile's column (col_ptr / col_entries), for batch b and query head h.
+struct Span {
+    int begin, count;
+};
+__device__ __forceinline__ Span row_span(const Params& p, int b, int h, int tile_q) {
+    const int line = layout_line(p, b, h) * p.tiles_q + tile_q;
+    return {p.row_ptr[line], p.row_ptr[line + 1] - p.row_ptr[line]};
+}
+__device__ __forceinline__ Span column_span(const Params& p, int b, int h, int tile_k) {
+    const int line = layout_line(p, b, h) * p.tiles_k + tile_k;
+    return {p.col_ptr[line], p.col_ptr[line + 1] - p.col_ptr[line]};
+}
+
+// The query tile of a CTA of the row-walking passes (grid: query tiles, query heads, batch elements): the
+// heaviest rows of causal-like layouts are the last ones, so they start first.
+__device__ __forceinline__ int query_tile(const Params& p) { return p.tiles_q - 1 - blockIdx.x; }
+
 // ---- memory -----------------------------------------------------------------------------------------------
 // Asynchronous global->shared copies; src_bytes = 0 zero-fills (rows past the sequence, padded columns).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {

@@ -26,13 +26,12 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     elem_t* kv_smem = q_smem + Q_ELEMS;  // stage s: K at kv_smem + s * 2 * KV_ELEMS, V after it
     if (threadIdx.x == 0 && dynamic_smem_size() < SMEM_BYTES) __trap();
 
-    // Heaviest rows of causal-like layouts are the last ones: start them first.
-    const int tile_q = p.tiles_q - 1 - blockIdx.x;
+    const int tile_q = query_tile(p);
     const int h = blockIdx.y, b = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int hk = h / p.group;
-    const int line = layout_line(p, b, h) * p.tiles_q + tile_q;
-    const int begin = p.row_ptr[line], count = p.row_ptr[line + 1] - begin;
+    const Span span = row_span(p, b, h, tile_q);
+    const int begin = span.begin, count = span.count;
 
     const int q_tile0 = tile_q * TILE_M;
     const elem_t* k_head = p.k + b * p.k_sb + hk * p.k_sh;

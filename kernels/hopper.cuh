@@ -82,6 +82,13 @@ struct Ring {
     __device__ __forceinline__ void release(int i) { empty[i % STAGES].arrive(); }
 };
 
+// The kernel's shared struct at the first 1024-byte boundary of dynamic shared memory, which is only
+// guaranteed 16-byte alignment; swizzled tiles need the boundary, and the launch adds 1024 bytes for it.
+template <class T>
+__device__ __forceinline__ T& aligned_shared(unsigned char* raw) {
+    return *reinterpret_cast<T*>((reinterpret_cast<size_t>(raw) + 1023) & ~size_t(1023));
+}
+
 // Makes initialised barriers visible to the TMA unit (the async proxy) before the first copy uses them.
 __device__ __forceinline__ void fence_barrier_init() {
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -99,6 +106,20 @@ __device__ __forceinline__ void tma_load_tile(elem_t* dst, const TensorMap& map,
         "l"(reinterpret_cast<unsigned long long>(&map)), "r"(0), "r"(row0), "r"(0), "r"(head), "r"(batch),
         "r"(smem_address(&bar))
         : "memory");
+}
+
+// The producer's part of a row-walking pass: the K and V tiles (ROWS keys, key/value head hk, batch element b)
+// of each entry of `span` into their rings, the next copy issued as soon as a buffer is free.
+template <int ROWS, int STAGES>
+__device__ __forceinline__ void stream_kv(const Params& p, Span span, int hk, int b, elem_t (*k)[ROWS * HEAD_DIM],
+                                          elem_t (*v)[ROWS * HEAD_DIM], const TensorMap& k_map,
+                                          const TensorMap& v_map, Ring<STAGES>& k_ring, Ring<STAGES>& v_ring) {
+    constexpr unsigned BYTES = ROWS * HEAD_DIM * sizeof(elem_t);
+    for (int i = 0; i < span.count; ++i) {
+        const int k0 = p.entries[span.begin + i].x * ROWS;
+        tma_load_tile(k[i % STAGES], k_map, k_ring.fill(i, BYTES), k0, hk, b);
+        tma_load_tile(v[i % STAGES], v_map, v_ring.fill(i, BYTES), k0, hk, b);
+    }
 }
 
 // ---- warpgroup MMA ----------------------------------------------------------------------------------------

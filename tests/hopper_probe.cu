@@ -23,7 +23,7 @@ extern "C" __global__ void __launch_bounds__(128)
     csa_probe(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
               const __grid_constant__ TensorMap v_map, elem_t* k_raw, float* s_out, float* o_out) {
     extern __shared__ unsigned char smem_raw[];
-    ProbeShared& sh = *reinterpret_cast<ProbeShared*>((reinterpret_cast<size_t>(smem_raw) + 1023) & ~size_t(1023));
+    ProbeShared& sh = aligned_shared<ProbeShared>(smem_raw);
     if (threadIdx.x == 0) {
         sh.full.init(1);
         fence_barrier_init();
