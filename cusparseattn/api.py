@@ -176,8 +176,9 @@ def _resolve_layout(layout, causal: bool, sizes: Sizes) -> BlockLayout:
     return _with_causal(layout) if causal else layout
 
 
-def _mask_pattern(fn, batch: int, heads: int):
-    """``patterns.from_mask(fn)`` over these batch elements and heads. The same function gives the same
+def _mask_pattern(fn, batch: int | None, heads: int | None, block: int = 128):
+    """``patterns.from_mask(fn)`` over these batch elements and heads, in blocks of ``block`` tokens (None:
+    rules of ``b`` or ``h`` are refused, naming them). The same function gives the same
     Pattern (which caches its layouts per lengths, so the kernels' tables are reused) while what it captures
     is unchanged (`cusparseattn.trace.environment`: document ids refilled in place in a torch tensor give a
     new layout). Values whose changes cannot be seen (dicts, large writable NumPy arrays) are taken as
@@ -191,15 +192,15 @@ def _mask_pattern(fn, batch: int, heads: int):
         key = (None, [])
     try:
         with _mask_lock:
-            cached = _mask_cache.get((fn, batch, heads))
+            cached = _mask_cache.get((fn, batch, heads, block))
     except TypeError:  # an unhashable callable: build each time
-        return patterns.from_mask(fn, batch=batch, heads=heads)
+        return patterns.from_mask(fn, block=block, batch=batch, heads=heads)
     if cached is not None and cached[0][0] == key[0]:
         return cached[1]
-    pattern = patterns.from_mask(fn, batch=batch, heads=heads)
+    pattern = patterns.from_mask(fn, block=block, batch=batch, heads=heads)
     with _mask_lock:
-        _mask_cache[(fn, batch, heads)] = (key, pattern)  # key[1] holds what the key names by identity
-        _mask_cache.move_to_end((fn, batch, heads))
+        _mask_cache[(fn, batch, heads, block)] = (key, pattern)  # key[1] holds what the key names by identity
+        _mask_cache.move_to_end((fn, batch, heads, block))
         while len(_mask_cache) > _MASK_CACHE_MAX:
             _mask_cache.popitem(last=False)
     return pattern

@@ -544,6 +544,28 @@ def _score_mod_case(rank: int) -> dict | None:
     return {n: _max_err(a, shard(b, lay, **kw)) for n, a, b in zip(names, got, want, strict=True)}
 
 
+def _window_of_head(b, h, q_idx, kv_idx):
+    """A mask function of global positions: a causal window that widens with the head."""
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 24 * (h + 1))
+
+
+def _mask_function_case(rank: int) -> dict:
+    """A mask function as the layout (traced once, per head), over zigzag shards, forward and backward."""
+    import cusparseattn as ca
+
+    q, k, v, do = _inputs()
+    out_g, lse_g = ca.attention_forward(q, k, v, _window_of_head, backend="reference")
+    grads = ca.attention_backward(do, q, k, v, out_g, lse_g, _window_of_head, backend="reference")
+    kw = {"balance": "zigzag"}
+    ql, kl, vl = (shard(x, _window_of_head, **kw).clone().requires_grad_() for x in (q, k, v))
+    out, lse = ring_attention(ql, kl, vl, _window_of_head, return_lse=True, backend="reference", **kw)
+    (out * shard(do, _window_of_head, **kw)).sum().backward()
+    got = (out, lse, ql.grad, kl.grad, vl.grad)
+    want = (out_g, lse_g, *grads)
+    names = ("out", "lse", "dq", "dk", "dv")
+    return {n: _max_err(a, shard(b, _window_of_head, **kw)) for n, a, b in zip(names, got, want, strict=True)}
+
+
 def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     results: dict = {"rank": rank}
@@ -559,6 +581,7 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
         ]
         results["numpy"] = _frameworks_case(rank)
         results["score_mod"] = _score_mod_case(rank)
+        results["mask_function"] = _mask_function_case(rank)
         results["raised"] = _error_cases(rank)
         torch.distributed.destroy_process_group()
     except Exception:  # reported by the test, which has no other view into this process
@@ -668,3 +691,10 @@ def test_score_mod_sees_global_positions(group):
     for res in results:
         bad = {k: e for k, e in res["score_mod"].items() if not e <= TOLERANCE}
         assert not bad, f"rank {res['rank']}: errors {bad}"
+
+
+def test_mask_functions_as_ring_layouts(group):
+    world, results = group
+    for res in results:
+        bad = {n: e for n, e in res["mask_function"].items() if not e <= TOLERANCE}
+        assert not bad, f"rank {res['rank']} of {world}: errors {bad}"

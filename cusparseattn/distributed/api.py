@@ -1,9 +1,9 @@
 """The public functions of context parallelism: ring attention on sequence shards, and shard / unshard.
 
 Each rank passes its LOCAL shards of q, k, v (``[B, H, S / N, D]``, in the order `shard` made) and the
-GLOBAL layout (a Pattern, a BlockLayout of the whole sequence, or None for dense; ``causal=True`` intersects
-it with the causal mask), and gets its local output shard back. Every rank of the group must call with the
-same layout, causal, balance, rotate and scale, and shards of one shape.
+GLOBAL layout (a Pattern, a BlockLayout of the whole sequence, a mask function of global positions, or None
+for dense; ``causal=True`` intersects it with the causal mask), and gets its local output shard back. Every
+rank of the group must call with the same layout, causal, balance, rotate and scale, and shards of one shape.
 
 ``balance`` orders the sequence before it is cut (`cusparseattn.distributed.balance`): None keeps it
 contiguous, ``"zigzag"`` gives each rank a head and a tail chunk (even causal work), ``"work"`` balances the
@@ -79,7 +79,8 @@ def ring_attention(
     Args:
         q: this rank's queries ``[B, Hq, S / N, D]``; k, v: its keys and values ``[B, Hkv, S / N, D]``, the
             shards that `shard` gives for the same ``layout``, ``causal``, ``balance`` and ``group``.
-        layout: the whole sequence's layout: None (dense), a Pattern, or a BlockLayout of ``S`` tokens.
+        layout: the whole sequence's layout: None (dense), a Pattern, a BlockLayout of ``S`` tokens, or a
+            mask function ``fn(b, h, q_idx, kv_idx)`` of global positions (as in `cusparseattn.attention`).
         causal: intersect the layout with the causal mask.
         balance: None, ``"zigzag"``, ``"work"`` or an `Ordering` (see the module's docstring).
         group: the ``torch.distributed`` process group (default: the whole world).
@@ -212,7 +213,7 @@ def _prepare(q, k, v, layout, causal, balance, group, rotate, scale, backend, sc
         )
     comm = Comm(group)
     seq = sizes.seq_q * comm.world_size
-    lay = _layout(layout, causal, seq, comm.world_size, balance)
+    lay = _layout(layout, causal, seq, comm.world_size, balance, sizes.batch, sizes.heads_q)
     check_layout(lay, sizes._replace(seq_q=seq, seq_k=seq))
     order = resolve(balance, seq, comm.world_size, lay)
     sched = schedule.build(lay, order)
@@ -275,16 +276,24 @@ def _ordering(layout, causal: bool, balance, seq: int, world_size: int) -> Order
     return resolve(balance, seq, world_size, lay)
 
 
-def _layout(layout, causal: bool, seq: int, world_size: int, balance) -> BlockLayout:
-    """The whole sequence's BlockLayout: None is dense (or causal), a Pattern is built for ``seq``."""
+def _layout(layout, causal: bool, seq: int, world_size: int, balance, batch=None, heads=None) -> BlockLayout:
+    """The whole sequence's BlockLayout: None is dense (or causal), a Pattern is built for ``seq``, a mask
+    function becomes a Pattern over ``batch`` and ``heads`` in blocks that divide the shards (batch and heads
+    are None where they are not known, in `shard` with ``balance="work"``: a function of ``b`` or ``h`` then
+    asks for a Pattern from `patterns.from_mask`)."""
     from ..patterns import Pattern
 
     if layout is None:
         return _default_pattern(causal, _default_block(seq, world_size, balance)).layout(seq)
+    if callable(layout) and not isinstance(layout, (Pattern, BlockLayout)):
+        layout = core._mask_pattern(layout, batch, heads, _default_block(seq, world_size, balance))
     if isinstance(layout, Pattern):
         layout = layout.layout(seq, seq)
     elif not isinstance(layout, BlockLayout):
-        raise TypeError(f"layout must be None, a Pattern or a BlockLayout, got {type(layout).__qualname__}")
+        raise TypeError(
+            "layout must be None, a Pattern, a BlockLayout or a mask function fn(b, h, q_idx, kv_idx), got "
+            f"{type(layout).__qualname__}"
+        )
     elif (layout.seq_q, layout.seq_k) != (seq, seq):
         raise ValueError(
             f"layout is the whole sequence's: {world_size} ranks with {seq // world_size} tokens each make "
