@@ -16,24 +16,20 @@ PyTorch tensors (custom operators with registered autograd, which ``torch.compil
 
 from __future__ import annotations
 
-import collections
 import functools
 import math
 import numbers
-import threading
 import weakref
 
 from . import backends, mods
 from .arrays import Sizes, check_layout, validate, wrap
 from .backends import Inputs
 from .layout import BlockLayout
+from .trace import EnvironmentCache
 
 _causal_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# The last mask functions' Patterns: (fn, batch, heads) -> (environment key, Pattern). A Pattern holds its
-# function and layouts: a few entries, not one per lambda ever seen.
-_MASK_CACHE_MAX = 16
-_mask_cache: collections.OrderedDict = collections.OrderedDict()
-_mask_lock = threading.Lock()
+# The last mask functions' Patterns, per batch, heads and block size.
+_mask_cache = EnvironmentCache()
 
 
 def attention(
@@ -178,32 +174,17 @@ def _resolve_layout(layout, causal: bool, sizes: Sizes) -> BlockLayout:
 
 def _mask_pattern(fn, batch: int | None, heads: int | None, block: int = 128):
     """``patterns.from_mask(fn)`` over these batch elements and heads, in blocks of ``block`` tokens (None:
-    rules of ``b`` or ``h`` are refused, naming them). The same function gives the same
-    Pattern (which caches its layouts per lengths, so the kernels' tables are reused) while what it captures
-    is unchanged (`cusparseattn.trace.environment`: document ids refilled in place in a torch tensor give a
-    new layout). Values whose changes cannot be seen (dicts, large writable NumPy arrays) are taken as
-    unchanged: building a layout costs far more than a trace."""
+    rules of ``b`` or ``h`` are refused, naming them). The same function gives the same Pattern (which caches
+    its layouts per lengths, so the kernels' tables are reused) while what it captures is unchanged
+    (`cusparseattn.trace.environment`: document ids refilled in place in a torch tensor give a new layout).
+    Values whose changes cannot be seen (dicts, large writable NumPy arrays) are taken as unchanged: building
+    a layout costs far more than a trace."""
     from . import patterns
-    from .trace import Unversioned, environment
 
-    try:
-        key = environment(fn)
-    except Unversioned:
-        key = (None, [])
-    try:
-        with _mask_lock:
-            cached = _mask_cache.get((fn, batch, heads, block))
-    except TypeError:  # an unhashable callable: build each time
+    def make():
         return patterns.from_mask(fn, block=block, batch=batch, heads=heads)
-    if cached is not None and cached[0][0] == key[0]:
-        return cached[1]
-    pattern = patterns.from_mask(fn, block=block, batch=batch, heads=heads)
-    with _mask_lock:
-        _mask_cache[(fn, batch, heads, block)] = (key, pattern)  # key[1] holds what the key names by identity
-        _mask_cache.move_to_end((fn, batch, heads, block))
-        while len(_mask_cache) > _MASK_CACHE_MAX:
-            _mask_cache.popitem(last=False)
-    return pattern
+
+    return _mask_cache.get((fn, batch, heads, block), fn, make, watch_all=False)
 
 
 def _with_causal(layout: BlockLayout) -> BlockLayout:

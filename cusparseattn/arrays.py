@@ -216,18 +216,12 @@ def torch_device(device) -> Device:
     return CPU if device.type == "cpu" else (device.type, device.index or 0)
 
 
-class TorchTensor(Tensor):
-    framework = "torch"
+class _Described(Tensor):
+    """A holder whose shape, strides (in elements), dtype name and device are read once, when it is made: a
+    holder lives for one call, and validation and the launch ask for them many times."""
 
-    def __init__(self, native, name: str = "array"):
-        import torch
-
-        if not isinstance(native, torch.Tensor):
-            raise TypeError(f"{name} must be an array, got {_type_name(native)}")
-        super().__init__(native, name)
-        # Read once: a holder lives for one call, and validation and the launch read these many times.
-        self._shape, self._strides = tuple(native.shape), tuple(native.stride())
-        self._dtype, self._device = torch_dtype_name(native.dtype), torch_device(native.device)
+    def _describe(self, shape, strides, dtype: str, device: Device) -> None:
+        self._shape, self._strides, self._dtype, self._device = tuple(shape), tuple(strides), dtype, device
 
     @property
     def shape(self):
@@ -244,6 +238,20 @@ class TorchTensor(Tensor):
     @property
     def device(self):
         return self._device
+
+
+class TorchTensor(_Described):
+    framework = "torch"
+
+    def __init__(self, native, name: str = "array"):
+        import torch
+
+        if not isinstance(native, torch.Tensor):
+            raise TypeError(f"{name} must be an array, got {_type_name(native)}")
+        super().__init__(native, name)
+        self._describe(
+            native.shape, native.stride(), torch_dtype_name(native.dtype), torch_device(native.device)
+        )
 
     @property
     def data_ptr(self):
@@ -379,31 +387,15 @@ class JaxTensor(Tensor):
         return JaxTensor(jax.device_put(arr, self._jax_device), self.name)
 
 
-class FixedTensor(Tensor):
+class FixedTensor(_Described):
     """A holder whose shape, strides (in elements), dtype name and device are given once, with its memory and
     stream where it has them: the operands of a call that cusparseattn sees by description, not as arrays.
     Without ``data_ptr`` or ``stream`` reading them raises, as for any holder that has none."""
 
     def __init__(self, native, name, shape, strides, dtype, device, data_ptr=None, stream=None):
         super().__init__(native, name)
-        self._shape, self._strides, self._dtype, self._device = tuple(shape), tuple(strides), dtype, device
+        self._describe(shape, strides, dtype, device)
         self._data_ptr, self._stream = data_ptr, stream
-
-    @property
-    def shape(self):
-        return self._shape
-
-    @property
-    def strides(self):
-        return self._strides
-
-    @property
-    def dtype(self):
-        return self._dtype
-
-    @property
-    def device(self):
-        return self._device
 
     @property
     def data_ptr(self):

@@ -22,9 +22,7 @@ also runs as plain NumPy code or under PyTorch's FlexAttention.
 
 from __future__ import annotations
 
-import collections
 import math
-import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -33,11 +31,10 @@ from .layout import TokenRule
 from .trace import (
     MASK_NAMES,
     CapturedArray,
+    EnvironmentCache,
     Expr,
     ScoreMod,
     TracedMask,
-    Unversioned,
-    environment,
     trace,
 )
 
@@ -113,30 +110,10 @@ def score_mod(fn: Callable, *, name: str | None = None) -> ScoreMod:
         return fn
     # The same function with an unchanged environment gives the same ScoreMod: no trace (~0.2 ms), and the
     # kernels' device copy of its parameters and tables is reused.
-    try:
-        key = (name, *environment(fn))
-        hash(fn)
-    except (Unversioned, TypeError):  # a value whose changes cannot be seen, or an unhashable callable
-        return ScoreMod.trace(fn, name)
-    with _traced_lock:
-        cached = _traced.get(fn)
-        if cached is not None and cached[0][:2] == key[:2]:
-            _traced.move_to_end(fn)
-            return cached[1]
-    mod = ScoreMod.trace(fn, name)
-    with _traced_lock:
-        _traced[fn] = (key, mod)  # key[2] holds what the key names by identity, so no id is reused
-        _traced.move_to_end(fn)
-        while len(_traced) > _TRACED_MAX:
-            _traced.popitem(last=False)
-    return mod
+    return _traced.get((fn, name), fn, lambda: ScoreMod.trace(fn, name), watch_all=True)
 
 
-# The last functions traced: fn -> ((name, environment key, objects it names by identity), ScoreMod). A
-# ScoreMod holds its function and captured tables: a few entries, not one per lambda ever seen.
-_TRACED_MAX = 16
-_traced: collections.OrderedDict = collections.OrderedDict()
-_traced_lock = threading.Lock()
+_traced = EnvironmentCache()
 
 
 def captured(array) -> CapturedArray:

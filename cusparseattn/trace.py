@@ -31,7 +31,9 @@ array([[1, 0, 0],
 
 from __future__ import annotations
 
+import collections
 import inspect
+import threading
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -568,6 +570,47 @@ def _environment(value, held: list, memo: dict):
             tuple((n, _environment(namespace[n], held, memo)) for n in names if n in namespace),
         )
     raise Unversioned(f"{type(value).__name__} values are not tracked between calls")
+
+
+class EnvironmentCache:
+    """The last ``size`` values made from functions, each reused while its function's `environment` is
+    unchanged: no new trace, and the same object for the caches keyed by identity (the kernels' tables). A
+    value holds its function (a ScoreMod, a Pattern), so the cache is bounded rather than weak."""
+
+    def __init__(self, size: int = 16):
+        self.size = size
+        self._entries: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key, fn, make: Callable, *, watch_all: bool):
+        """``make()``'s value for ``key`` (a hashable tuple naming ``fn`` and what else ``make`` depends on).
+        With ``watch_all``, a function reaching values whose changes cannot be seen (`Unversioned`) is made
+        anew each call; without, those values count as unchanged."""
+        try:
+            env, held = environment(fn)
+        except Unversioned:
+            if watch_all:
+                return make()
+            env, held = None, []
+        try:
+            with self._lock:
+                cached = self._entries.get(key)
+        except TypeError:  # an unhashable callable
+            return make()
+        if cached is not None and cached[0] == env:
+            with self._lock:
+                self._entries.move_to_end(key)
+            return cached[2]
+        value = make()
+        with self._lock:
+            self._entries[key] = (env, held, value)  # held: what env names by identity, so no id is reused
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.size:
+                self._entries.popitem(last=False)
+        return value
 
 
 def _array_version(array) -> tuple:

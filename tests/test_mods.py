@@ -392,7 +392,7 @@ def test_docstring_examples():
 @pytest.fixture
 def traces(monkeypatch):
     """Counts the traces mods.score_mod runs, from an empty cache."""
-    monkeypatch.setattr(mods, "_traced", type(mods._traced)())
+    monkeypatch.setattr(mods, "_traced", type(mods._traced)(mods._traced.size))
     calls = []
     original = mods.ScoreMod.trace
 
@@ -472,10 +472,10 @@ def test_values_it_cannot_watch_are_traced_every_call(traces):
 
 
 def test_the_cache_keeps_the_last_functions_only(traces):
-    fns = [_offset_mod(float(i)) for i in range(mods._TRACED_MAX + 4)]
+    fns = [_offset_mod(float(i)) for i in range(mods._traced.size + 4)]
     for fn in fns:
         mods.score_mod(fn)
-    assert len(mods._traced) == mods._TRACED_MAX
+    assert len(mods._traced) == mods._traced.size
     mods.score_mod(fns[-1])
     mods.score_mod(fns[0])  # dropped: traced again
     assert len(traces) == len(fns) + 1
