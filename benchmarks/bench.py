@@ -25,16 +25,18 @@ forward+backward (the forward, then ``out.backward(grad)`` with a fixed random `
 reset before each call) with warmup 10 ms and rep 50 ms. FLOPs count attended work only: forward
 ``4 * B * H * S * S * D * density``, density being the fraction of 128 x 128 blocks visited; forward+backward
 3.5 times that. Peers, each when importable: FlexAttention (``torch.compile``, Triton backend), SDPA with the
-flash backend (dense and causal only), FlashAttention-4 (``flash_attn.cute``: dense, causal, sliding window).
-bf16, B = 2, H = 16.
+flash backend (dense and causal only), FlashAttention-4 (``flash_attn.cute``: dense, causal, sliding window);
+on an H100/H200 also "portable", cusparseattn's mma.sync kernels beside its Hopper ones. bf16, B = 2, H = 16.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -43,7 +45,8 @@ import numpy as np
 B, H = 2, 16
 CASES = ["dense", "causal", "local1024", "strided8"]
 PARTS = ["compile", "mods", "cases", "sweep", "memory", "train-memory"]
-PEERS = ["cusparseattn", "flex", "sdpa", "fa4"]
+# "portable": cusparseattn's mma.sync kernels on a Hopper GPU, beside its Hopper ones (CUSPARSEATTN_HOPPER=0).
+PEERS = ["cusparseattn", "portable", "flex", "sdpa", "fa4"]
 PASSES = {"fwd": "forward", "fwdbwd": "forward+backward"}
 BACKWARD_FLOPS = 3.5  # forward+backward FLOPs per forward FLOP: 2 matmuls forward, 5 backward
 # Bytes per token that one forward+backward must hold at H = 16, D = 128 (bf16): the saved output, its
@@ -145,6 +148,29 @@ def peers(case: str, q, k, v) -> tuple[dict, list]:
     return out, leaves
 
 
+@contextlib.contextmanager
+def _kernels_of(name: str):
+    """The portable kernels while a "portable" peer is timed; nothing otherwise."""
+    if name != "portable":
+        yield
+        return
+    old = os.environ.get("CUSPARSEATTN_HOPPER")
+    os.environ["CUSPARSEATTN_HOPPER"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["CUSPARSEATTN_HOPPER"]
+        else:
+            os.environ["CUSPARSEATTN_HOPPER"] = old
+
+
+def _on_hopper(device: int) -> bool:
+    from cusparseattn import cuda
+
+    return not cuda.hopper_device_reasons(device)
+
+
 def measure_case(case: str, q, k, v, backward: bool) -> dict:
     """One row: forward (and forward+backward) TFLOP/s of cusparseattn and every peer on this case."""
     import torch
@@ -157,10 +183,12 @@ def measure_case(case: str, q, k, v, backward: bool) -> dict:
     row = {"case": case, "S": seq, "D": dim, "density": layout.density, "fwd": {}, "fwdbwd": {}}
     others, leaves = peers(case, q, k, v)
     where = f"{case} S={seq} D={dim}"
-    forward = {"cusparseattn": functools.partial(ca.attention_forward, q, k, v, layout), **others}
+    ours = functools.partial(ca.attention_forward, q, k, v, layout)
+    portable = {"portable": ours} if _on_hopper(q.device.index or 0) else {}
+    forward = {"cusparseattn": ours, **portable, **others}
     for name, fn in forward.items():
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _kernels_of(name):
                 fn()
                 torch.cuda.synchronize()
                 row["fwd"][name] = flops / bench(fn) / 1e9
@@ -174,10 +202,8 @@ def measure_case(case: str, q, k, v, backward: bool) -> dict:
         print(f"  cusparseattn backward cannot run on {where}: {'; '.join(reasons)}")
     else:
         # Forced: a backward that cannot run on the GPU raises rather than timing the host reference.
-        training = {
-            "cusparseattn": functools.partial(ca.attention, q, k, v, layout, backend="cuda"),
-            **others,
-        }
+        ours = functools.partial(ca.attention, q, k, v, layout, backend="cuda")
+        training = {"cusparseattn": ours, **({"portable": ours} if portable else {}), **others}
     gen = torch.Generator(device=q.device)
     for name, fn in training.items():
         try:
@@ -188,9 +214,10 @@ def measure_case(case: str, q, k, v, backward: bool) -> dict:
             def step(fn=fn, grad=grad):
                 _first(fn()).backward(grad)
 
-            step()
-            torch.cuda.synchronize()
-            ms = bench(step, fwd_only=False, grad_to_none=leaves)
+            with _kernels_of(name):
+                step()
+                torch.cuda.synchronize()
+                ms = bench(step, fwd_only=False, grad_to_none=leaves)
             row["fwdbwd"][name] = BACKWARD_FLOPS * flops / ms / 1e9
         except Exception as err:  # noqa: BLE001
             print(f"  {name} forward+backward failed on {where}: {str(err)[:200]}")

@@ -138,6 +138,8 @@ def _gpu_lines() -> list[str]:
         return [f"GPU: none usable ({'; '.join(reasons)})"]
     import cupy
 
+    from . import build, cuda
+
     runtime = cupy.cuda.runtime
     lines = [
         f"CUDA: driver {runtime.driverGetVersion()}, runtime {runtime.runtimeGetVersion()}, "
@@ -149,6 +151,12 @@ def _gpu_lines() -> list[str]:
         lines.append(
             f"GPU {i}: {name}, compute capability {props['major']}.{props['minor']}, "
             f"{props['totalGlobalMem'] / 2**30:.1f} GiB, {props['multiProcessorCount']} SMs"
+        )
+        hopper = cuda.hopper_device_reasons(i)
+        lines.append(
+            f"  kernels: Hopper (TMA, wgmma) for head dims {build.HOPPER_HEAD_DIMS}, else portable"
+            if not hopper
+            else f"  kernels: portable (mma.sync); not Hopper: {'; '.join(hopper)}"
         )
     return lines
 

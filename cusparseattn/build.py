@@ -54,7 +54,16 @@ TILES = {
         128: [(32, 128, 8), (32, 64, 4)],
         256: [(32, 64, 4), (16, 32, 2)],
     },
+    # One producer and two consumer warpgroups of 64 query rows (64 keys in the dK/dV pass). The dQ pass keeps
+    # S, dP and dQ in registers: key tiles of 64.
+    "forward_sm90": {128: [(128, 128, 12)]},
+    "backward_dq_sm90": {128: [(128, 64, 12)]},
+    "backward_dkdv_sm90": {128: [(64, 128, 12)]},
 }
+# Hopper kernels (sm_90a: TMA, wgmma, a producer warpgroup) take head dims of whole 64-element panels.
+HOPPER_HEAD_DIMS = (64, 128)
+HOPPER_STAGES = 2  # forward_sm90.cu's STAGES
+ARCH = {"forward_sm90": "sm_90a", "backward_dq_sm90": "sm_90a", "backward_dkdv_sm90": "sm_90a"}
 KERNELS = tuple(TILES)
 # With a score mod, the dQ pass keeps its derivative's arithmetic beside the scores and dO V^T: key tiles of
 # 128 then spill at head dim 64, so it takes the next tiles.
@@ -67,6 +76,20 @@ def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int
     row = 2 * (-(-head_dim // 16) * 16 + 8)  # bytes per padded shared row (SMEM_ROW elements)
     if kernel == "forward":  # Q, two stages of K and V
         return row * (tm + 2 * 2 * tn)
+    if kernel in ARCH:  # the kernel's Shared struct (1024-aligned), and 1024 bytes to align it
+        stages, barrier = HOPPER_STAGES, 8  # an mbarrier is 8 bytes
+        payload = {
+            # Q; stages of K and V; a barrier for Q and the full/empty pairs of the K and V rings
+            "forward_sm90": 2 * head_dim * (tm + 2 * stages * tn) + barrier * (1 + 4 * stages),
+            # Q and dO; stages of K and V; barriers as the forward's
+            "backward_dq_sm90": 2 * head_dim * (2 * tm + 2 * stages * tn) + barrier * (1 + 4 * stages),
+            # K and V; stages of Q and dO; 2 consumers x 2 buffers x (lse, delta) in fp32; a barrier for K
+            # and V and the (Q, dO) ring
+            "backward_dkdv_sm90": 2 * head_dim * (2 * tn + 2 * stages * tm)
+            + 2 * 2 * 2 * 4 * tm
+            + barrier * (1 + 2 * stages),
+        }[kernel]
+        return -(-payload // 1024) * 1024 + 1024
     if kernel == "backward_dq":  # Q and dO, two stages of K and V
         return row * (2 * tm + 2 * 2 * tn)
     return row * (2 * tn + 2 * 2 * tm) + 2 * 2 * tm * 4  # K and V, two stages of Q, dO, lse and delta
@@ -165,6 +188,8 @@ class KernelSpec:
             len(self.score) != 2 or not all(isinstance(x, str) for x in self.score)
         ):
             raise ValueError(f"score must be None or (C expression, its derivative), got {self.score!r}")
+        if self.kernel in ARCH and self.head_dim not in HOPPER_HEAD_DIMS:
+            raise ValueError(f"{self.kernel} takes head dims {HOPPER_HEAD_DIMS}, got {self.head_dim}")
 
     @property
     def padded_head_dim(self) -> int:
@@ -189,6 +214,11 @@ class KernelSpec:
     def threads(self) -> int:
         return self.tiles[2] * 32
 
+    @property
+    def arch(self) -> str | None:
+        """The architecture the kernel needs exactly (its instructions exist nowhere else), or None."""
+        return ARCH.get(self.kernel)
+
     def prelude(self) -> str:
         tm, tn, nw = self.tiles
         lines = [
@@ -211,10 +241,44 @@ class KernelSpec:
             lines += [f"#define SA{i} (p.score_a[{i}])" for i in range(4)]
             lines.append(f"#define CSA_SCORE(s, b, h, q, k) ({self.score[0]})")
             lines.append(f"#define CSA_SCORE_GRAD(s, b, h, q, k) ({self.score[1]})")
+        if self.arch is not None:
+            types = {"float16": "f16.f16", "bfloat16": "bf16.bf16"}[self.dtype]
+            lines += _wgmma_functions(sorted({tm, tn, self.padded_head_dim}), types)
         return "\n".join(lines) + "\n"
 
     def source(self) -> str:
         return self.prelude() + _inline(self.kernel + ".cu")
+
+
+def _wgmma_functions(ns: list[int], types: str) -> list[str]:
+    """kernels/hopper.cuh's wgmma_ss<N> and wgmma_rs<N> for these N: m64nNk16, fp32 accumulators, the
+    accumulator of N / 2 registers spelled out operand by operand (PTX takes no arrays)."""
+    desc = "unsigned long long"
+    lines = [
+        f"template <int N> __device__ void wgmma_ss(float (&)[N / 8][4], {desc}, {desc}, int);",
+        f"template <int N> __device__ void wgmma_rs(float (&)[N / 8][4], const unsigned (&)[4], {desc});",
+    ]
+    for n in ns:
+        regs = n // 2
+        acc = ", ".join(f"%{i}" for i in range(regs))
+        outs = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(regs))
+        op = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{types}"
+        lines += [
+            f"template <> __device__ __forceinline__ void wgmma_ss<{n}>(float (&d)[{n // 8}][4], "
+            "unsigned long long a, unsigned long long b, int accumulate) {",
+            f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n'
+            f'{op} {{{acc}}}, %{regs}, %{regs + 1}, p, 1, 1, 0, 0;\\n}}\\n"',
+            f'                 : {outs} : "l"(a), "l"(b), "r"(accumulate));',
+            "}",
+            f"template <> __device__ __forceinline__ void wgmma_rs<{n}>(float (&d)[{n // 8}][4], "
+            "const unsigned (&a)[4], unsigned long long b) {",
+            f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n'
+            f"{op} {{{acc}}}, {{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, %{regs + 4}, "
+            f'p, 1, 1, 1;\\n}}\\n"',
+            f'                 : {outs} : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));',
+            "}",
+        ]
+    return lines
 
 
 def _rule_defines(expr: str) -> list[str]:
@@ -233,6 +297,7 @@ class RuleSpec:
     kernel = "block_mask"
     shared_bytes = 0
     threads = 256
+    arch = None
 
     @property
     def name(self) -> str:
@@ -268,8 +333,10 @@ def _inline(filename: str, seen: frozenset = frozenset()) -> str:
     return _INCLUDE.sub(include, text).replace("#pragma once", "")
 
 
-def nvrtc_options() -> tuple[str, ...]:
-    opts = ("--std=c++17",)
+def nvrtc_options(arch: str | None = None) -> tuple[str, ...]:
+    """NVRTC's options; `arch` (sm_90a) for a kernel that needs it, where CuPy would pick the device's
+    plain architecture (NVRTC takes the "a" variant when both are given)."""
+    opts = ("--std=c++17",) + ((f"-arch={arch}",) if arch else ())
     return opts + (("-lineinfo",) if env.lineinfo() else ())
 
 
@@ -285,7 +352,7 @@ def load(spec: KernelSpec | RuleSpec, device: int):
     start = time.perf_counter()
     with cupy.cuda.Device(device):
         try:
-            module = cupy.RawModule(code=source, options=nvrtc_options())
+            module = cupy.RawModule(code=source, options=nvrtc_options(spec.arch))
             function = module.get_function("csa_" + spec.kernel)
         except cupy.cuda.compiler.CompileException as err:
             raise RuntimeError(
@@ -310,11 +377,12 @@ def all_specs() -> list[KernelSpec | RuleSpec]:
     rules = [("none", None), ("bits", None), ("expr", "k <= q + P0")]
     specs = []
     for kernel, table in TILES.items():
-        for d in (32, 64, 96, 128, 256):
+        for d in HOPPER_HEAD_DIMS if kernel in ARCH else (32, 64, 96, 128, 256):
             specs += [KernelSpec.make(kernel, "bfloat16", d, mode, expr) for mode, expr in rules]
             specs.append(KernelSpec.make(kernel, "float16", d))
-        for d in (128, 256):
-            specs += [KernelSpec.make(kernel, "bfloat16", d, *rules[2], tiles=t) for t in table[d][1:]]
+        for d, candidates in table.items():
+            if d >= 128:
+                specs += [KernelSpec.make(kernel, "bfloat16", d, *rules[2], tiles=t) for t in candidates[1:]]
         specs += [KernelSpec.make(kernel, "bfloat16", d, *rules[2], score=SAMPLE_SCORE) for d in (64, 128)]
     return [*specs, RuleSpec("csa::floormod(k, P0) == 0 && A0[q] == A0[k]")]
 
@@ -390,7 +458,7 @@ def check(archs: list[str]) -> int:
     lib, include = _nvrtc_library() or (None, None)
     print(f"nvcc: {nvcc}; NVRTC: {include or 'not installed, skipped'}")
 
-    def compile_one(tmp: str, spec: KernelSpec | RuleSpec, arch: str) -> tuple[str, list[str]]:
+    def compile_one(tmp: str, spec: KernelSpec | RuleSpec, arch: str, last: bool) -> tuple[str, list[str]]:
         src = Path(tmp) / f"{spec.name}_{arch}.cu"
         src.write_text(spec.source())
         cmd = [nvcc, "-cubin", f"-arch={arch}", "-std=c++17", "-Xptxas", "-v", str(src), "-o", os.devnull]
@@ -400,9 +468,7 @@ def check(archs: list[str]) -> int:
         problems = [res.stderr] if res.returncode else []
         if any(spills):
             problems.append(f"register spills {spills}")
-        if (
-            lib is not None and arch == archs[-1]
-        ):  # NVRTC's front end is the same for every arch: once per spec
+        if lib is not None and last:  # NVRTC's front end is the same for every arch: once per spec
             try:
                 nvrtc_compile(lib, spec.source(), arch, include)
             except RuntimeError as err:
@@ -414,7 +480,16 @@ def check(archs: list[str]) -> int:
 
     failures = 0
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(os.cpu_count() or 2) as pool:
-        jobs = [pool.submit(compile_one, tmp, spec, arch) for spec in all_specs() for arch in archs]
+        # A kernel for one architecture (sm_90a) compiles for it alone, when any sm_9x is asked for.
+        targets = {
+            spec: ([spec.arch] if any(a.startswith("sm_9") for a in archs) else []) if spec.arch else archs
+            for spec in all_specs()
+        }
+        jobs = [
+            pool.submit(compile_one, tmp, spec, arch, arch == arches[-1])
+            for spec, arches in targets.items()
+            for arch in arches
+        ]
         for job in jobs:
             line, problems = job.result()
             failures += bool(problems)

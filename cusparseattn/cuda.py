@@ -12,7 +12,7 @@ import weakref
 
 import numpy as np
 
-from . import build, plan
+from . import build, env, plan, tma
 from .layout import BlockLayout
 
 MIN_COMPUTE_CAPABILITY = 80  # mma.sync with bf16, cp.async, ldmatrix
@@ -89,6 +89,31 @@ def device_reasons(device: int) -> list[str]:
     if cc < MIN_COMPUTE_CAPABILITY:
         return [f"cuda:{device} has compute capability {cc // 10}.{cc % 10}; the kernels need 8.0 or newer"]
     return []
+
+
+def hopper_device_reasons(device: int) -> list[str]:
+    """Why the Hopper kernels (TMA, wgmma) cannot run on this GPU (empty when they can)."""
+    if not env.hopper():
+        return ["CUSPARSEATTN_HOPPER=0 turns the Hopper kernels off"]
+    cc = compute_capability(device)
+    if cc != 90:
+        return [f"the Hopper kernels need compute capability 9.0, cuda:{device} has {cc // 10}.{cc % 10}"]
+    return []
+
+
+def hopper_reasons(q, k, v, dout=None) -> list[str]:
+    """Why a pass cannot take the Hopper kernels for these device arrays (dout: the backward's; empty when it
+    can); it then runs the portable ones."""
+    if reasons := hopper_device_reasons(q.device[1]):
+        return reasons
+    if q.shape[3] not in build.HOPPER_HEAD_DIMS:
+        return [f"the Hopper kernels take head dims {build.HOPPER_HEAD_DIMS}, got {q.shape[3]}"]
+    named = (("q", q), ("k", k), ("v", v)) + ((("dout", dout),) if dout is not None else ())
+    return [
+        f"TMA cannot read {name}: {reason}"
+        for name, t in named
+        for reason in tma.reasons(tuple(t.shape), tuple(t.strides), tma.ITEMSIZE, t.data_ptr % 16)
+    ]
 
 
 # ---- per-layout device tables -------------------------------------------------------------------------
@@ -236,11 +261,19 @@ def _kernel(device: int, *spec_args):
 
 
 def _launch(
-    kernel: str, grid, tables: DeviceTables, score: ScoreTables | None, scale: float, tiles, **arrays
+    kernel: str,
+    grid,
+    tables: DeviceTables,
+    score: ScoreTables | None,
+    scale: float,
+    tiles,
+    maps: tuple = (),
+    **arrays,
 ):
     """Packs the parameters of one pass over these holders (named as `_FIELDS`) and launches it on q's
-    device and stream. The struct is written as bytes at known offsets: a cached call's host time is the
-    budget (setting NumPy struct fields one by one cost more than the launch)."""
+    device and stream; `maps` (TMA descriptors) follow the parameters as kernel arguments. The struct is
+    written as bytes at known offsets: a cached call's host time is the budget (setting NumPy struct fields
+    one by one cost more than the launch)."""
     q, k = arrays["q"], arrays["k"]
     spec_args = (kernel, q.dtype, q.shape[3], tiles, tables.plan.rule_mode, tables.rule_expr)
     function, block, shared = _kernel(q.device[1], *spec_args, score and score.spec)
@@ -255,7 +288,7 @@ def _launch(
     struct.pack_into("<4i", buffer, _SIZES, q.shape[2], k.shape[2], heads_q, heads_q // heads_k)
     struct.pack_into("<f", buffer, _SCALE, scale)
     params = np.ndarray((), build.PARAMS, buffer=buffer)
-    function(grid, block, (params[()],), shared_mem=shared)
+    function(grid, block, (params[()], *maps), shared_mem=shared)
 
 
 def _tiled_tables(kernel: str, layout: BlockLayout, head_dim: int, device: int, score, tiles=None):
@@ -278,17 +311,20 @@ def forward(
     """Launches the forward kernel: writes `out` [B, Hq, Sq, D] and `lse` [B, Hq, Sq] (float32).
 
     `score_mod` is a traced `cusparseattn.trace.ScoreMod` or None; `tiles` (TILE_M, TILE_N, NWARPS)
-    overrides the tile table, for tuning.
+    overrides the portable kernel's tile table, for tuning. On an H100/H200 the Hopper kernel runs where
+    `hopper_reasons` allows it.
     """
     import cupy
 
     batch, heads_q = q.shape[:2]
     device = q.device[1]
+    kernel = "forward" if tiles or hopper_reasons(q, k, v) else "forward_sm90"
     with cupy.cuda.Device(device), _stream(q.stream):
         score = score_tables(score_mod, device)
-        tables, tiles = _tiled_tables("forward", layout, q.shape[3], device, score, tiles)
+        tables, tiles = _tiled_tables(kernel, layout, q.shape[3], device, score, tiles)
         grid = (tables.plan.tiles_q, heads_q, batch)
-        _launch("forward", grid, tables, score, scale, tiles, q=q, k=k, v=v, out=out, lse=lse)
+        maps = _maps(tiles[0], tiles[1], q=q, k=k, v=v) if kernel == "forward_sm90" else ()
+        _launch(kernel, grid, tables, score, scale, tiles, maps, q=q, k=k, v=v, out=out, lse=lse)
 
 
 def backward(
@@ -305,15 +341,26 @@ def backward(
     heads_k = k.shape[1]
     device = q.device[1]
     arrays = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, delta=delta)
+    hopper = not hopper_reasons(q, k, v, dout)
+    suffix = "_sm90" if hopper else ""
     with cupy.cuda.Device(device), _stream(q.stream):
         score = score_tables(score_mod, device)
-        tables, tiles = _tiled_tables("backward_dq", layout, head_dim, device, score)
+        tables, tiles = _tiled_tables("backward_dq" + suffix, layout, head_dim, device, score)
         grid = (tables.plan.tiles_q, heads_q, batch)
-        _launch("backward_dq", grid, tables, score, scale, tiles, dq=dq, **arrays)
-        tables, tiles = _tiled_tables("backward_dkdv", layout, head_dim, device, score)
+        maps = _maps(tiles[0], tiles[1], q=q, k=k, v=v, dout=dout) if hopper else ()
+        _launch("backward_dq" + suffix, grid, tables, score, scale, tiles, maps, dq=dq, **arrays)
+        tables, tiles = _tiled_tables("backward_dkdv" + suffix, layout, head_dim, device, score)
         splits = 2 if head_dim > 128 else 1  # the dK/dV kernel's SPLITS: halves of the head dim past 128
         grid = (tables.plan.tiles_k, heads_k * splits, batch)
-        _launch("backward_dkdv", grid, tables, score, scale, tiles, dk=dk, dv=dv, **arrays)
+        maps = _maps(tiles[0], tiles[1], q=q, k=k, v=v, dout=dout) if hopper else ()
+        _launch("backward_dkdv" + suffix, grid, tables, score, scale, tiles, maps, dk=dk, dv=dv, **arrays)
+
+
+def _maps(tile_m: int, tile_n: int, **arrays) -> tuple:
+    """The TMA descriptors a Hopper kernel takes after its parameters, in its order (q, k, v[, dout]): query
+    rows in tiles of tile_m, key rows in tiles of tile_n."""
+    rows = {"q": tile_m, "dout": tile_m, "k": tile_n, "v": tile_n}
+    return tuple(tma.tile_map(holder, rows[name]) for name, holder in arrays.items())
 
 
 def classify_blocks(

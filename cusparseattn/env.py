@@ -3,6 +3,7 @@
 - ``CUSPARSEATTN_LINEINFO=1``: compile kernels with ``-lineinfo`` (source lines in ``ncu`` reports).
 - ``CUSPARSEATTN_DUMP_SOURCE=DIR``: write each generated kernel source to DIR (read it when NVRTC complains).
 - ``CUSPARSEATTN_VERBOSE=1``: log each kernel compile with its time.
+- ``CUSPARSEATTN_HOPPER=0``: run the portable (mma.sync) kernels on Hopper GPUs too, for comparison.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ def _flag(name: str) -> bool:
 
 def lineinfo() -> bool:
     return _flag("LINEINFO")
+
+
+def hopper() -> bool:
+    return os.environ.get("CUSPARSEATTN_HOPPER", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def verbose() -> bool:

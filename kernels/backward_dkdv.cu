@@ -44,10 +44,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     const float scale_log2 = softmax_scale(p) * LOG2E;
 
     int total = 0;
-    for (int j = 0; j < p.group; ++j) {
-        const int line = layout_line(p, b, hk * p.group + j) * p.tiles_k + tile_k;
-        total += p.col_ptr[line + 1] - p.col_ptr[line];
-    }
+    for (int j = 0; j < p.group; ++j) total += column_span(p, b, hk * p.group + j, tile_k).count;
     if (total > 0)
         load_kv_async<TILE_N, THREADS>(k_smem, p.k + b * p.k_sb + hk * p.k_sh, p.v + b * p.v_sb + hk * p.v_sh, p,
                                        k_tile0);
@@ -60,8 +57,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 
     for (int j = 0; j < p.group; ++j) {
         const int h = hk * p.group + j;
-        const int line = layout_line(p, b, h) * p.tiles_k + tile_k;
-        const int begin = p.col_ptr[line], count = p.col_ptr[line + 1] - begin;
+        const Span span = column_span(p, b, h, tile_k);
+        const int begin = span.begin, count = span.count;
         const elem_t* q_head = p.q + b * p.q_sb + h * p.q_sh;
         const elem_t* do_head = p.dout + b * p.do_sb + h * p.do_sh;
         const float* lse_head = p.lse + b * p.lse_sb + h * p.lse_sh;

@@ -18,34 +18,6 @@ constexpr int KV_ELEMS = TILE_N * SMEM_ROW;
 constexpr int SMEM_BYTES = (2 * Q_ELEMS + 2 * 2 * KV_ELEMS) * sizeof(elem_t);
 static_assert(SMEM_BYTES == SHARED_BYTES, "the builder launches with the kernel's shared memory size");
 
-// delta of the warp's 16 rows from global memory, in fp32. Lanes 2r and 2r + 1 share row r, 8 elements per
-// 16-byte load; the result is returned for rows g and g + 8 (the rows of the thread's accumulators) and
-// written out for pass 2.
-__device__ __forceinline__ void row_delta(const Params& p, int b, int h, int row0, int lane, float (&delta)[2]) {
-    const int r = lane >> 1, q = row0 + r;
-    float sum = 0.f;
-    if (q < p.seq_q) {
-        const elem_t* o_row = p.o + b * p.o_sb + h * p.o_sh + (long long)q * p.o_ss;
-        const elem_t* do_row = p.dout + b * p.do_sb + h * p.do_sh + (long long)q * p.do_ss;
-        for (int c = (lane & 1) * 8; c < HEAD_DIM_REAL; c += 16) {
-            const uint4 ov = *reinterpret_cast<const uint4*>(o_row + c);
-            const uint4 dv = *reinterpret_cast<const uint4*>(do_row + c);
-            const elem2_t* o2 = reinterpret_cast<const elem2_t*>(&ov);
-            const elem2_t* d2 = reinterpret_cast<const elem2_t*>(&dv);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float2 of = unpack2(o2[j]), df = unpack2(d2[j]);
-                sum = fmaf(of.x, df.x, fmaf(of.y, df.y, sum));
-            }
-        }
-    }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    if (!(lane & 1) && q < p.seq_q) p.delta[b * p.delta_sb + h * p.delta_sh + q] = sum;
-    const int g = lane >> 2;
-    delta[0] = __shfl_sync(0xffffffffu, sum, 2 * g);
-    delta[1] = __shfl_sync(0xffffffffu, sum, 2 * (g + 8));
-}
-
 extern "C" __global__ void __launch_bounds__(THREADS)
     csa_backward_dq(const __grid_constant__ Params p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -54,12 +26,12 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     elem_t* kv_smem = do_smem + Q_ELEMS;  // stage s: K at kv_smem + s * 2 * KV_ELEMS, V after it
     if (threadIdx.x == 0 && dynamic_smem_size() < SMEM_BYTES) __trap();
 
-    const int tile_q = p.tiles_q - 1 - blockIdx.x;  // heaviest rows of causal-like layouts first
+    const int tile_q = query_tile(p);
     const int h = blockIdx.y, b = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int hk = h / p.group;
-    const int line = layout_line(p, b, h) * p.tiles_q + tile_q;
-    const int begin = p.row_ptr[line], count = p.row_ptr[line + 1] - begin;
+    const Span span = row_span(p, b, h, tile_q);
+    const int begin = span.begin, count = span.count;
 
     const int q_tile0 = tile_q * TILE_M, row0 = q_tile0 + warp * 16;
     const elem_t* k_head = p.k + b * p.k_sb + hk * p.k_sh;
@@ -72,13 +44,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     }
     float delta[2], lse2[2];
     row_delta(p, b, h, row0, lane, delta);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        // Rows past the sequence and rows that attend to nothing (lse = -inf) get P = 0: lse2 = +inf.
-        const int q = row0 + (lane >> 2) + 8 * r;
-        const float lse = q < p.seq_q ? p.lse[b * p.lse_sb + h * p.lse_sh + q] : -INFINITY;
-        lse2[r] = lse == -INFINITY ? INFINITY : lse * LOG2E;
-    }
+    row_lse2(p, b, h, row0, lane, lse2);
 
     float dq[HEAD_DIM / 8][4];
     zero(dq);
@@ -106,13 +72,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                 p, s, dp, [&](int, int j) { return delta[j >> 1]; }, b, h,
                 TilePos<false>(p, q_tile0, e.x * TILE_N, warp * 16, lane));
             if (e.y >= 0) apply_mask<TILE_N>(s, keep);
-#pragma unroll
-            for (int n = 0; n < TILE_N / 8; ++n)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const float prob = exp2f(fmaf(s[n][j], scale_log2, -lse2[j >> 1]));
-                    s[n][j] = dscore(prob, dp[n][j], delta[j >> 1]);
-                }
+            scores_to_ds<TILE_N>(s, dp, lse2, delta, scale_log2);
             mma_AB<TILE_N, HEAD_DIM>(dq, s, ks, lane);
         });
 

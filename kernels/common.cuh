@@ -90,6 +90,24 @@ __device__ __forceinline__ int layout_line(const Params& p, int b, int h) {
     return (p.layout_batch > 1 ? b : 0) * p.layout_heads + (p.layout_heads > 1 ? h : 0);
 }
 
+// A span of the tile table's entries: the key tiles of one query tile's row (row_ptr / entries), or the query
+// tiles of one key tile's column (col_ptr / col_entries), for batch b and query head h.
+struct Span {
+    int begin, count;
+};
+__device__ __forceinline__ Span row_span(const Params& p, int b, int h, int tile_q) {
+    const int line = layout_line(p, b, h) * p.tiles_q + tile_q;
+    return {p.row_ptr[line], p.row_ptr[line + 1] - p.row_ptr[line]};
+}
+__device__ __forceinline__ Span column_span(const Params& p, int b, int h, int tile_k) {
+    const int line = layout_line(p, b, h) * p.tiles_k + tile_k;
+    return {p.col_ptr[line], p.col_ptr[line + 1] - p.col_ptr[line]};
+}
+
+// The query tile of a CTA of the row-walking passes (grid: query tiles, query heads, batch elements): the
+// heaviest rows of causal-like layouts are the last ones, so they start first.
+__device__ __forceinline__ int query_tile(const Params& p) { return p.tiles_q - 1 - blockIdx.x; }
+
 // ---- memory -----------------------------------------------------------------------------------------------
 // Asynchronous global->shared copies; src_bytes = 0 zero-fills (rows past the sequence, padded columns).
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
@@ -303,6 +321,80 @@ __device__ __forceinline__ float quad_sum(float x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// ---- the forward's online softmax ---------------------------------------------------------------------
+// The online softmax over the two rows a thread holds (g and g + 8 of the warp's 16): the same for the
+// mma.sync and the wgmma kernels, whose accumulators a warp holds alike.
+struct OnlineSoftmax {
+    float m[2];  // running max of the scaled scores, in log2 units
+    float l[2];  // this thread's part of the running sum (reduced across the quad at the end)
+
+    __device__ __forceinline__ void init() {
+        m[0] = m[1] = -INFINITY;
+        l[0] = l[1] = 0.f;
+    }
+
+    // Turns raw scores into probabilities in place; alpha[r] is the factor that brings row r's earlier
+    // output to the new max.
+    __device__ __forceinline__ void step(float (&s)[TILE_N / 8][4], float scale, float (&alpha)[2]) {
+        const float scale_log2 = scale * LOG2E;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = m[r];
+#pragma unroll
+            for (int n = 0; n < TILE_N / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]) * scale_log2);
+            mx = quad_max(mx);
+            // A row with nothing visible so far keeps max -inf; subtract 0 instead, never -inf - -inf.
+            float base = mx == -INFINITY ? 0.f : mx;
+            alpha[r] = exp2f(m[r] - base);
+            m[r] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int n = 0; n < TILE_N / 8; ++n) {
+                // fmaf(s, scale, -base): the scale folds into the exponent's FMA.
+                s[n][2 * r] = exp2f(fmaf(s[n][2 * r], scale_log2, -base));
+                s[n][2 * r + 1] = exp2f(fmaf(s[n][2 * r + 1], scale_log2, -base));
+                sum += s[n][2 * r] + s[n][2 * r + 1];
+            }
+            l[r] = l[r] * alpha[r] + sum;
+        }
+    }
+
+    __device__ __forceinline__ static void rescale(float (&o)[HEAD_DIM / 8][4], const float (&alpha)[2]) {
+#pragma unroll
+        for (int d = 0; d < HEAD_DIM / 8; ++d) {
+            o[d][0] *= alpha[0];
+            o[d][1] *= alpha[0];
+            o[d][2] *= alpha[1];
+            o[d][3] *= alpha[1];
+        }
+    }
+
+    // Both at once, where the output is not in flight.
+    __device__ __forceinline__ void update(float (&s)[TILE_N / 8][4], float (&o)[HEAD_DIM / 8][4],
+                                           float scale) {
+        float alpha[2];
+        step(s, scale, alpha);
+        rescale(o, alpha);
+    }
+};
+
+// The forward's end for a warp's 16 rows from `row0`: out = acc / l (0 where a row saw nothing) and
+// lse = m * ln2 + ln(l) (-inf there).
+__device__ __forceinline__ void finish_rows(const Params& p, const OnlineSoftmax& sm, float (&o)[HEAD_DIM / 8][4],
+                                            int b, int h, int row0, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float l = quad_sum(sm.l[r]);
+        inv[r] = l > 0.f ? 1.f / l : 0.f;
+        const int q = row0 + g + 8 * r;
+        if (t == 0 && q < p.seq_q)
+            p.lse[b * p.lse_sb + h * p.lse_sh + q] = l > 0.f ? sm.m[r] * LN2 + logf(l) : -INFINITY;
+    }
+    store_rows<HEAD_DIM>(o, inv, p.o + b * p.o_sb + h * p.o_sh, p.o_ss, row0, p.seq_q, 0, lane);
+}
+
 // ---- token mask of a partial tile ---------------------------------------------------------------------------
 // Whether query q0 + qi sees key k0 + ki, for tile-local (qi, ki) of the partial tile `pidx` whose sub-block
 // bits are `sub` (ignored in RULE_BITS mode).
@@ -428,6 +520,60 @@ __device__ __forceinline__ void apply_mask(float (&s)[COLS / 8][4], unsigned lon
 #pragma unroll
         for (int j = 0; j < 4; ++j)
             if (!((bits >> (4 * n + j)) & 1ull)) s[n][j] = -INFINITY;
+}
+
+// ---- the backward ------------------------------------------------------------------------------------------
+// delta of the warp's 16 rows from global memory, in fp32. Lanes 2r and 2r + 1 share row r, 8 elements per
+// 16-byte load; the result is returned for rows g and g + 8 (the rows of the thread's accumulators) and
+// written out for pass 2.
+__device__ __forceinline__ void row_delta(const Params& p, int b, int h, int row0, int lane, float (&delta)[2]) {
+    const int r = lane >> 1, q = row0 + r;
+    float sum = 0.f;
+    if (q < p.seq_q) {
+        const elem_t* o_row = p.o + b * p.o_sb + h * p.o_sh + (long long)q * p.o_ss;
+        const elem_t* do_row = p.dout + b * p.do_sb + h * p.do_sh + (long long)q * p.do_ss;
+        for (int c = (lane & 1) * 8; c < HEAD_DIM_REAL; c += 16) {
+            const uint4 ov = *reinterpret_cast<const uint4*>(o_row + c);
+            const uint4 dv = *reinterpret_cast<const uint4*>(do_row + c);
+            const elem2_t* o2 = reinterpret_cast<const elem2_t*>(&ov);
+            const elem2_t* d2 = reinterpret_cast<const elem2_t*>(&dv);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const float2 of = unpack2(o2[j]), df = unpack2(d2[j]);
+                sum = fmaf(of.x, df.x, fmaf(of.y, df.y, sum));
+            }
+        }
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    if (!(lane & 1) && q < p.seq_q) p.delta[b * p.delta_sb + h * p.delta_sh + q] = sum;
+    const int g = lane >> 2;
+    delta[0] = __shfl_sync(0xffffffffu, sum, 2 * g);
+    delta[1] = __shfl_sync(0xffffffffu, sum, 2 * (g + 8));
+}
+
+// lse * log2(e) of the rows g and g + 8 of a warp's 16 from row0: +inf past the sequence and for rows that
+// attend to nothing (lse = -inf), so that exp2(s - lse2) gives P = 0 there.
+__device__ __forceinline__ void row_lse2(const Params& p, int b, int h, int row0, int lane, float (&lse2)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int q = row0 + (lane >> 2) + 8 * r;
+        const float lse = q < p.seq_q ? p.lse[b * p.lse_sb + h * p.lse_sh + q] : -INFINITY;
+        lse2[r] = lse == -INFINITY ? INFINITY : lse * LOG2E;
+    }
+}
+
+// The dQ pass's dS = P * (dP - delta) in place of the masked scores s of a warp's rows, P = exp2(s * scale_log2
+// - lse2); dp as apply_score_mod left it.
+template <int COLS>
+__device__ __forceinline__ void scores_to_ds(float (&s)[COLS / 8][4], const float (&dp)[COLS / 8][4],
+                                             const float (&lse2)[2], const float (&delta)[2], float scale_log2) {
+#pragma unroll
+    for (int n = 0; n < COLS / 8; ++n)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const float prob = exp2f(fmaf(s[n][j], scale_log2, -lse2[j >> 1]));
+            s[n][j] = dscore(prob, dp[n][j], delta[j >> 1]);
+        }
 }
 
 }  // namespace csa

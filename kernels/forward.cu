@@ -19,48 +19,6 @@ constexpr int KV_ELEMS = TILE_N * SMEM_ROW;
 constexpr int SMEM_BYTES = (Q_ELEMS + 2 * 2 * KV_ELEMS) * sizeof(elem_t);
 static_assert(SMEM_BYTES == SHARED_BYTES, "the builder launches with the kernel's shared memory size");
 
-// The online softmax over the two rows a thread holds (g and g + 8 of the warp's 16).
-struct OnlineSoftmax {
-    float m[2];  // running max of the scaled scores, in log2 units
-    float l[2];  // this thread's part of the running sum (reduced across the quad at the end)
-
-    __device__ __forceinline__ void init() {
-        m[0] = m[1] = -INFINITY;
-        l[0] = l[1] = 0.f;
-    }
-
-    // Turns raw scores into probabilities in place and rescales the output accumulators to the new max.
-    __device__ __forceinline__ void update(float (&s)[TILE_N / 8][4], float (&o)[HEAD_DIM / 8][4],
-                                           float scale) {
-        const float scale_log2 = scale * LOG2E;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float mx = m[r];
-#pragma unroll
-            for (int n = 0; n < TILE_N / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]) * scale_log2);
-            mx = quad_max(mx);
-            // A row with nothing visible so far keeps max -inf; subtract 0 instead, never -inf - -inf.
-            float base = mx == -INFINITY ? 0.f : mx;
-            float alpha = exp2f(m[r] - base);
-            m[r] = mx;
-            float sum = 0.f;
-#pragma unroll
-            for (int n = 0; n < TILE_N / 8; ++n) {
-                // fmaf(s, scale, -base): the scale folds into the exponent's FMA.
-                s[n][2 * r] = exp2f(fmaf(s[n][2 * r], scale_log2, -base));
-                s[n][2 * r + 1] = exp2f(fmaf(s[n][2 * r + 1], scale_log2, -base));
-                sum += s[n][2 * r] + s[n][2 * r + 1];
-            }
-            l[r] = l[r] * alpha + sum;
-#pragma unroll
-            for (int d = 0; d < HEAD_DIM / 8; ++d) {
-                o[d][2 * r] *= alpha;
-                o[d][2 * r + 1] *= alpha;
-            }
-        }
-    }
-};
-
 extern "C" __global__ void __launch_bounds__(THREADS)
     csa_forward(const __grid_constant__ Params p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -68,13 +26,12 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     elem_t* kv_smem = q_smem + Q_ELEMS;  // stage s: K at kv_smem + s * 2 * KV_ELEMS, V after it
     if (threadIdx.x == 0 && dynamic_smem_size() < SMEM_BYTES) __trap();
 
-    // Heaviest rows of causal-like layouts are the last ones: start them first.
-    const int tile_q = p.tiles_q - 1 - blockIdx.x;
+    const int tile_q = query_tile(p);
     const int h = blockIdx.y, b = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int hk = h / p.group;
-    const int line = layout_line(p, b, h) * p.tiles_q + tile_q;
-    const int begin = p.row_ptr[line], count = p.row_ptr[line + 1] - begin;
+    const Span span = row_span(p, b, h, tile_q);
+    const int begin = span.begin, count = span.count;
 
     const int q_tile0 = tile_q * TILE_M;
     const elem_t* k_head = p.k + b * p.k_sb + hk * p.k_sh;
@@ -107,17 +64,5 @@ extern "C" __global__ void __launch_bounds__(THREADS)
             mma_AB<TILE_N, HEAD_DIM>(o, s, ks + KV_ELEMS, lane);
         });
 
-    // out = acc / l (0 where the row saw nothing) and lse = m * ln2 + ln(l).
-    const int g = lane >> 2, t = lane & 3;
-    const int row0 = q_tile0 + warp * 16;
-    float inv[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const float l = quad_sum(sm.l[r]);
-        inv[r] = l > 0.f ? 1.f / l : 0.f;
-        const int q = row0 + g + 8 * r;
-        if (t == 0 && q < p.seq_q)
-            p.lse[b * p.lse_sb + h * p.lse_sh + q] = l > 0.f ? sm.m[r] * LN2 + logf(l) : -INFINITY;
-    }
-    store_rows<HEAD_DIM>(o, inv, p.o + b * p.o_sb + h * p.o_sh, p.o_ss, row0, p.seq_q, 0, lane);
+    finish_rows(p, sm, o, b, h, q_tile0 + warp * 16, lane);
 }

@@ -90,6 +90,25 @@ def run_backward(dout, q, k, v, out, lse, layout, scale=None):
     return tuple(to_host(grads[n]) for n in ("dq", "dk", "dv", "delta"))
 
 
+def hopper_path(monkeypatch, hopper: bool) -> list[str]:
+    """Sends this test's launches to the Hopper kernels (or, with hopper=False, to the portable ones through
+    CUSPARSEATTN_HOPPER=0) and returns the list that records each launched kernel's name. Skips off compute
+    capability 9.0."""
+    from cusparseattn import cuda
+
+    if cuda.compute_capability(0) != 90:
+        pytest.skip("the Hopper kernels need compute capability 9.0")
+    monkeypatch.setenv("CUSPARSEATTN_HOPPER", "1" if hopper else "0")
+    launched, launch = [], cuda._launch
+
+    def record(kernel, *args, **kwargs):
+        launched.append(kernel)
+        return launch(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(cuda, "_launch", record)
+    return launched
+
+
 def random_layout(rng, sq, sk, block, batch, heads, with_rule):
     """Random blocks with an empty query row; with a rule (no C expression: a bit mask) in half the blocks."""
     nq, nk = -(-sq // block), -(-sk // block)

@@ -10,6 +10,8 @@ import pytest
 
 from cusparseattn import build
 
+PORTABLE = [kernel for kernel in build.KERNELS if kernel not in build.ARCH]
+
 
 def test_spec_name_lists_every_specialisation_argument():
     spec = build.KernelSpec.make("forward", "bfloat16", 128, "expr", "k <= q + P0")
@@ -69,7 +71,7 @@ def test_bad_specs_are_refused(kwargs, match):
         build.KernelSpec.make(**args)
 
 
-@pytest.mark.parametrize("kernel", build.KERNELS)
+@pytest.mark.parametrize("kernel", PORTABLE)
 def test_tile_table_covers_every_supported_head_dim(kernel):
     for head_dim in range(8, 257, 8):
         tm, tn, nw = build.tile_config(kernel, head_dim)
@@ -79,7 +81,7 @@ def test_tile_table_covers_every_supported_head_dim(kernel):
         build.tile_config(kernel, 264)
 
 
-@pytest.mark.parametrize("kernel", build.KERNELS)
+@pytest.mark.parametrize("kernel", PORTABLE)
 @pytest.mark.parametrize("max_shared", [227 * 1024, 163 * 1024, 99 * 1024])  # H100, A100, sm_86/89
 def test_every_device_gets_tiles_that_fit(kernel, max_shared):
     for head_dim in range(8, 257, 8):
@@ -100,7 +102,50 @@ def test_every_specialisation_compiles_for_sm80_and_sm90_without_spills(capsys):
     failures = build.check(["sm_80", "sm_90"])
     report = capsys.readouterr().out
     assert failures == 0, report
-    assert report.count("\nok") + report.startswith("ok") >= len(build.all_specs()) * 2
+    # The Hopper specialisations compile for sm_90a alone.
+    expected = sum(1 if spec.arch else 2 for spec in build.all_specs())
+    assert report.count("\nok") + report.startswith("ok") >= expected
+    for kernel in build.ARCH:
+        assert f"ok   sm_90a {kernel}_bf16_d128" in report
+
+
+HOPPER = sorted(build.ARCH)
+
+
+@pytest.mark.parametrize("kernel", HOPPER)
+@pytest.mark.parametrize("head_dim", build.HOPPER_HEAD_DIMS)
+def test_hopper_spec_needs_sm90a_and_carries_its_wgmma_functions(kernel, head_dim):
+    spec = build.KernelSpec.make(kernel, "bfloat16", head_dim, "bits")
+    assert spec.arch == "sm_90a" and spec.threads == 384
+    assert "-arch=sm_90a" in build.nvrtc_options(spec.arch)
+    prelude = spec.prelude()
+    # Products with N = the key tile (scores), the query tile (transposed scores) and the head dim (outputs).
+    for n in sorted({*spec.tiles[:2], head_dim}):
+        assert f"void wgmma_ss<{n}>" in prelude and f"void wgmma_rs<{n}>" in prelude
+        assert f"m64n{n}k16.f32.bf16.bf16 {{%0, " in prelude and f"%{n // 2 - 1}}}" in prelude
+    assert "f16.f16" in build.KernelSpec.make(kernel, "float16", head_dim).prelude()
+    assert build.KernelSpec.make(kernel.removesuffix("_sm90"), "bfloat16", head_dim).arch is None
+
+
+def test_hopper_shared_memory_is_the_kernels_struct_plus_alignment():
+    # Forward, D = 128: Q (128 x 128), two stages of K and V (128 x 128 each), 9 barriers, padded to 1 KiB,
+    # and 1 KiB to align.
+    assert build.shared_bytes("forward_sm90", 128, (128, 128, 12)) == 5 * 32768 + 1024 + 1024
+    assert build.shared_bytes("forward_sm90", 64, (128, 128, 12)) == 5 * 16384 + 1024 + 1024
+    # dQ: Q and dO (128 x 128), two stages of K and V (64 x 128).
+    assert build.shared_bytes("backward_dq_sm90", 128, (128, 64, 12)) == 4 * 32768 + 1024 + 1024
+    # dK/dV: K and V (128 x 128), two stages of Q and dO (64 x 128), 2 KiB of lse and delta, 5 barriers.
+    assert build.shared_bytes("backward_dkdv_sm90", 128, (64, 128, 12)) == 4 * 32768 + 2048 + 1024 + 1024
+    for kernel in HOPPER:
+        for head_dim in build.HOPPER_HEAD_DIMS:
+            assert build.KernelSpec.make(kernel, "float16", head_dim).shared_bytes <= 227 * 1024
+
+
+@pytest.mark.parametrize("kernel", HOPPER)
+@pytest.mark.parametrize("head_dim", [32, 96, 256])
+def test_hopper_spec_refuses_partial_panels(kernel, head_dim):
+    with pytest.raises(ValueError, match="head dim"):
+        build.KernelSpec.make(kernel, "bfloat16", head_dim)
 
 
 def test_params_pack_as_one_struct():

@@ -11,7 +11,7 @@ import types
 import numpy as np
 import pytest
 
-from cusparseattn import build, cuda, mods, patterns
+from cusparseattn import build, cuda, mods, patterns, tma
 
 
 class FakeDeviceArray:
@@ -35,7 +35,8 @@ class Holder:
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Every launch as (spec name, grid, block, args, shared bytes)."""
+    """Every launch as (spec name, grid, block, args, shared bytes, TMA maps' geometry), on a GPU of compute
+    capability 8.0 (tests of the Hopper kernels set 9.0)."""
     fake = types.ModuleType("cupy")
     fake.asarray = FakeDeviceArray
     fake.cuda = types.SimpleNamespace(
@@ -48,11 +49,19 @@ def launches(monkeypatch):
     monkeypatch.setattr(cuda, "_scores", {})
     monkeypatch.setattr(cuda, "compute_capability", lambda device: 80)
     monkeypatch.setattr(cuda, "max_shared", lambda device: 227 * 1024)
-    record = []
+    monkeypatch.delenv("CUSPARSEATTN_HOPPER", raising=False)
+    encoded, record = [], []
+
+    def encode(data_ptr, shape, strides, dtype, rows):
+        encoded.append(tma.geometry(shape, strides, tma.ITEMSIZE, rows))
+        return np.zeros((), tma.TENSOR_MAP)[()]
+
+    monkeypatch.setattr(tma, "_tile_map", encode)
 
     def load(spec, device):
         def function(grid, block, args, shared_mem):
-            record.append((spec.name, grid, block, args, shared_mem))
+            maps, encoded[:] = list(encoded), []
+            record.append((spec.name, grid, block, args, shared_mem, maps))
 
         return function
 
@@ -89,11 +98,11 @@ def test_forward_packs_every_field(launches):
     lse = Holder((2, 4, seq), dtype="float32", address=0x5000)
     layout = patterns.causal(block=64).layout(seq, 333)
     cuda.forward(q, k, v, out, lse, layout, 0.125)
-    ((name, grid, block, args, shared),) = launches
+    ((name, grid, block, args, shared, maps),) = launches
     tiles = build.tile_config("forward", dim)
     assert name == build.KernelSpec("forward", "bfloat16", dim, tiles, "expr", layout.rule.c_expr).name
     assert grid == (-(-seq // tiles[0]), 4, 2) and block == (tiles[2] * 32, 1, 1)
-    assert shared == build.shared_bytes("forward", dim, tiles)
+    assert shared == build.shared_bytes("forward", dim, tiles) and maps == []
     tables = cuda.device_tables(layout, tiles[0], tiles[1], 0)
     assert args[0].tobytes() == fieldwise(tables, None, 0.125, q=q, k=k, v=v, out=out, lse=lse)
 
@@ -106,7 +115,7 @@ def test_backward_packs_both_passes_and_a_score_mod(launches):
     layout = patterns.dense(block=64).layout(seq)
     score_mod = mods.score_mod(mods.compose(mods.alibi(mods.alibi_slopes(4)), mods.softcap(30.0)))
     cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, delta, layout, 0.5, score_mod=score_mod)
-    (dq_name, *_, dq_args, _), (kv_name, *_, kv_args, _) = launches
+    (dq_name, *_, dq_args, _, _), (kv_name, *_, kv_args, _, _) = launches
     assert dq_name.startswith("backward_dq_") and kv_name.startswith("backward_dkdv_")
     score = cuda.score_tables(score_mod, 0)
     assert np.frombuffer(score.fields[64:96], np.float32)[: len(score_mod.float_params)].tolist() == list(
@@ -136,3 +145,65 @@ def test_a_cached_launch_builds_no_spec(launches, monkeypatch):
     monkeypatch.setattr(build, "KernelSpec", refuse)
     cuda.forward(q, k, v, out, lse, layout, 0.2)
     assert len(launches) == 2
+
+
+def _forward(head_dim, seq=300, **kwargs):
+    q, k, v = (
+        Holder((2, 4, seq, head_dim), **kwargs),
+        Holder((2, 2, seq, head_dim)),
+        Holder((2, 2, seq, head_dim)),
+    )
+    out, lse = Holder((2, 4, seq, head_dim)), Holder((2, 4, seq), dtype="float32")
+    cuda.forward(q, k, v, out, lse, patterns.causal(block=64).layout(seq), 0.1)
+
+
+@pytest.mark.parametrize("head_dim", build.HOPPER_HEAD_DIMS)
+def test_hopper_gpus_run_the_hopper_forward_with_three_tma_maps(launches, monkeypatch, head_dim):
+    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90)
+    _forward(head_dim)
+    ((name, grid, (threads, _, _), args, shared, maps),) = launches
+    nargs = len(args)
+    assert name.startswith(f"forward_sm90_bf16_d{head_dim}_q128k128w12") and threads == 384
+    assert grid == (3, 4, 2) and nargs == 4  # 300 rows in tiles of 128; the parameters, then q, k, v maps
+    assert shared == build.shared_bytes("forward_sm90", head_dim, (128, 128, 12))
+    panels = head_dim // 64
+    # q, k, v in that order: [B, H, S, D] as (64, S, D / 64, H, B), boxes of 128 rows.
+    assert [m[0] for m in maps] == [(64, 300, panels, 4, 2), (64, 300, panels, 2, 2), (64, 300, panels, 2, 2)]
+    assert all(m[2] == (64, 128, panels, 1, 1) for m in maps)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "kwargs", "env"),
+    [(96, {}, None), (128, {"address": 0x10000008}, None), (128, {}, "0")],
+    ids=["head-dim-96", "misaligned", "turned-off"],
+)
+def test_the_portable_forward_takes_what_tma_cannot(launches, monkeypatch, head_dim, kwargs, env):
+    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90)
+    if env is not None:
+        monkeypatch.setenv("CUSPARSEATTN_HOPPER", env)
+    _forward(head_dim, **kwargs)
+    ((name, _, (threads, _, _), args, _, maps),) = launches
+    assert name.startswith("forward_bf16") and len(args) == 1 and maps == [] and threads == 256
+
+
+def test_other_gpus_run_the_portable_kernels(launches):
+    _forward(128)
+    assert launches[0][0].startswith("forward_bf16")
+    assert cuda.hopper_device_reasons(0) == ["the Hopper kernels need compute capability 9.0, cuda:0 has 8.0"]
+
+
+@pytest.mark.parametrize("head_dim", build.HOPPER_HEAD_DIMS)
+def test_hopper_backward_passes_take_query_and_key_tiles_of_their_own(launches, monkeypatch, head_dim):
+    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90)
+    seq = 300
+    q, dout, out, dq = (Holder((2, 4, seq, head_dim)) for _ in range(4))
+    k, v, dk, dv = (Holder((2, 2, seq, head_dim)) for _ in range(4))
+    lse, delta = Holder((2, 4, seq), dtype="float32"), Holder((2, 4, seq), dtype="float32")
+    layout = patterns.causal(block=64).layout(seq)
+    cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, delta, layout, 0.1)
+    (dq_name, dq_grid, _, dq_args, _, dq_maps), (kv_name, kv_grid, _, kv_args, _, kv_maps) = launches
+    assert dq_name.startswith("backward_dq_sm90") and kv_name.startswith("backward_dkdv_sm90")
+    assert dq_grid == (3, 4, 2) and kv_grid == (3, 2, 2) and len(dq_args) == len(kv_args) == 5
+    # q, k, v, dout: the dQ pass reads 128 query rows and 64 keys a tile, the dK/dV pass 64 and 128.
+    assert [m[2][1] for m in dq_maps] == [128, 64, 64, 128]
+    assert [m[2][1] for m in kv_maps] == [64, 128, 128, 64]

@@ -98,4 +98,5 @@ def test_bench_options_and_table(capsys):
     assert math.isnan(bench._ratio(rows[0], "fwdbwd"))
     bench.summary(rows)
     line = capsys.readouterr().out.splitlines()[-1].split()
-    assert line[:3] == ["causal", "4096", "128"] and line[8] == "0.86" and line[-1] == "-"
+    # case, S, D, "|", one figure per peer, then ours / Flex.
+    assert line[:3] == ["causal", "4096", "128"] and line[4 + len(bench.PEERS)] == "0.86" and line[-1] == "-"

@@ -407,9 +407,9 @@ def test_gpu_eager_calls_and_vmap_run_the_kernels_on_xla_buffers(monkeypatch):
     gpu = jax_gpu()
     launched, launch = [], cuda.forward
 
-    def spy(q, *args):
+    def spy(q, *args, **kwargs):
         launched.append((type(q).__name__, q.device))
-        return launch(q, *args)
+        return launch(q, *args, **kwargs)
 
     monkeypatch.setattr(cuda, "forward", spy)
     rng = np.random.default_rng(3)

@@ -12,7 +12,17 @@ import math
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from kernel_cases import DTYPES, _torch, cases, layout_for, np_dtype, run_backward, run_forward, to_host
+from kernel_cases import (
+    DTYPES,
+    _torch,
+    cases,
+    hopper_path,
+    layout_for,
+    np_dtype,
+    run_backward,
+    run_forward,
+    to_host,
+)
 from oracle import backward_refs, check_close, random_qkv
 
 from cusparseattn import BlockLayout, patterns
@@ -122,3 +132,18 @@ def test_64bit_offsets():
     for name, got, want, want_low in zip(("dq", "dk", "dv"), (dq, dk, dv), ref64, low, strict=True):
         check_close(name, to_host(got[-1:, -1:]), want, want_low, dtype="float16")
     assert not any(torch.isnan(t).any() for t in (dq, dk, dv))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kind", ["dense", "causal", "random", "random_rule"])
+@pytest.mark.parametrize("hopper", [True, False], ids=["hopper", "portable"])
+def test_both_kernels_of_a_hopper_gpu(hopper, kind, head_dim, dtype, monkeypatch):
+    """On an H100/H200 the backward takes the TMA/wgmma kernels, with CUSPARSEATTN_HOPPER=0 the portable ones.
+    Both against the reference, on ragged lengths, GQA (dK/dV sum two query heads) and a [B, S, H, D] view."""
+    launched = hopper_path(monkeypatch, hopper)
+    rng = np.random.default_rng(12)
+    q, k, v = random_qkv(rng, 2, 4, 2, 300, 333, head_dim, np_dtype(dtype), "bshd")
+    assert_backward_matches(q, k, v, layout_for(kind, rng, 2, 4, 300, 333, 64), dtype, rng)
+    suffix = "_sm90" if hopper else ""
+    assert launched == [f"forward{suffix}", f"backward_dq{suffix}", f"backward_dkdv{suffix}"]

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from kernel_cases import DTYPES, _torch, cases, layout_for, np_dtype, run_forward, to_host
+from kernel_cases import DTYPES, _torch, cases, hopper_path, layout_for, np_dtype, run_forward, to_host
 from oracle import check_close, forward_refs, random_qkv
 
 from cusparseattn import BlockLayout, patterns
@@ -102,3 +102,17 @@ def test_64bit_offsets():
     check_close("out", to_host(out[-1:, -1:]), out64, out_lo, dtype="float16")
     check_close("lse", to_host(lse[-1:, -1:]), lse64, lse_lo, dtype="float32")
     assert not torch.isnan(out).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kind", ["dense", "causal", "random", "random_rule"])
+@pytest.mark.parametrize("hopper", [True, False], ids=["hopper", "portable"])
+def test_both_kernels_of_a_hopper_gpu(hopper, kind, head_dim, dtype, monkeypatch):
+    """On an H100/H200 the forward takes the TMA/wgmma kernel; CUSPARSEATTN_HOPPER=0 gives the portable one.
+    Both against the reference, on ragged lengths, GQA and a [B, S, H, D] view."""
+    launched = hopper_path(monkeypatch, hopper)
+    rng = np.random.default_rng(11)
+    q, k, v = random_qkv(rng, 2, 4, 2, 300, 333, head_dim, np_dtype(dtype), "bshd")
+    assert_matches(q, k, v, layout_for(kind, rng, 2, 4, 300, 333, 64), dtype)
+    assert launched == ["forward_sm90" if hopper else "forward"]

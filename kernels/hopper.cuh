@@ -1,0 +1,226 @@
+// Hopper (sm_90a) tile primitives: barriers in shared memory, TMA tile copies, shared-memory matrix
+// descriptors and warpgroup MMAs. The names follow the algorithm; the PTX is in one place, here.
+//
+// Shared tiles are [HEAD_DIM / 64 panels][rows][64 elements]: 128-byte rows, 16-byte chunks swizzled with the
+// row (chunk ^= row % 8) by the TMA copy, each panel starting at a 1024-byte boundary. That is the
+// "128-byte swizzle" canonical layout wgmma reads without bank conflicts, K-major (Q, K: the reduction runs
+// along the row) or MN-major (V: the reduction runs across rows).
+//
+// The builder adds to the prelude, for each N a kernel multiplies with (an asm operand list is fixed text):
+//   wgmma_ss<N>(float (&d)[N / 8][4], desc a, desc b, int accumulate)   D (+)= A B, both from shared memory
+//   wgmma_rs<N>(float (&d)[N / 8][4], const unsigned (&a)[4], desc b)    D += A B, A from registers, B MN-major
+// Both are m64nNk16 with fp32 accumulators: a warpgroup's 64 rows, a warp's 16 of them laid out as an
+// mma.sync accumulator, so the helpers of common.cuh (mask, score mod, softmax, stores) apply unchanged.
+#pragma once
+
+#include "common.cuh"
+
+namespace csa {
+
+// A CUtensorMap (the driver's 128-byte opaque TMA descriptor), passed as a __grid_constant__ kernel argument.
+struct alignas(64) TensorMap {
+    unsigned long long opaque[16];
+};
+
+__device__ __forceinline__ unsigned smem_address(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// ---- barriers ---------------------------------------------------------------------------------------------
+// An mbarrier: a phase completes when `count` threads have arrived and the bytes announced with
+// expect_bytes have landed. Waiters name the parity of the phase they wait for.
+struct Barrier {
+    unsigned long long word;
+
+    __device__ __forceinline__ void init(unsigned count) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_address(this)), "r"(count));
+    }
+    // Arrives and announces `bytes` more that copies will bring in this phase.
+    __device__ __forceinline__ void expect_bytes(unsigned bytes) {
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_address(this)),
+                     "r"(bytes)
+                     : "memory");
+    }
+    __device__ __forceinline__ void arrive() {
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_address(this)) : "memory");
+    }
+    // Returns once the phase of this parity has completed. Parity 1 before the first completion returns at
+    // once: a producer's first pass over empty buffers does not wait.
+    __device__ __forceinline__ void wait(unsigned parity) {
+        unsigned done;
+        do {
+            asm volatile(
+                "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                : "=r"(done)
+                : "r"(smem_address(this)), "r"(parity)
+                : "memory");
+        } while (!done);
+    }
+};
+
+// A ring of STAGES shared buffers that one producer thread fills by TMA and the consumer warpgroups drain, use
+// i going to buffer i % STAGES. Each buffer has a barrier that completes when its copies have landed (full)
+// and one that completes when every consumer thread has released it (empty).
+template <int STAGES>
+struct Ring {
+    Barrier full[STAGES], empty[STAGES];
+
+    __device__ __forceinline__ void init(unsigned consumer_threads) {
+        for (int s = 0; s < STAGES; ++s) {
+            full[s].init(1);
+            empty[s].init(consumer_threads);
+        }
+    }
+    // The producer: waits until use i - STAGES has been released, announces use i's bytes and returns the
+    // barrier its copies complete on. The first STAGES uses do not wait (parity 1 of a fresh barrier).
+    __device__ __forceinline__ Barrier& fill(int i, unsigned bytes) {
+        empty[i % STAGES].wait(((i / STAGES) & 1) ^ 1);
+        full[i % STAGES].expect_bytes(bytes);
+        return full[i % STAGES];
+    }
+    __device__ __forceinline__ void wait(int i) { full[i % STAGES].wait((i / STAGES) & 1); }
+    __device__ __forceinline__ void release(int i) { empty[i % STAGES].arrive(); }
+};
+
+// The kernel's shared struct at the first 1024-byte boundary of dynamic shared memory, which is only
+// guaranteed 16-byte alignment; swizzled tiles need the boundary, and the launch adds 1024 bytes for it.
+template <class T>
+__device__ __forceinline__ T& aligned_shared(unsigned char* raw) {
+    return *reinterpret_cast<T*>((reinterpret_cast<size_t>(raw) + 1023) & ~size_t(1023));
+}
+
+// Makes initialised barriers visible to the TMA unit (the async proxy) before the first copy uses them.
+__device__ __forceinline__ void fence_barrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// ---- TMA -----------------------------------------------------------------------------------------------------
+// Copies rows [row0, row0 + ROWS) of head `head`, batch `batch` of a [B, H, S, D] tensor into a shared tile
+// (all HEAD_DIM / 64 panels at once: the map's dims are (64, S, D / 64, H, B)); rows past the sequence are
+// zero-filled. Completes on `bar`, which must expect ROWS * HEAD_DIM elements.
+__device__ __forceinline__ void tma_load_tile(elem_t* dst, const TensorMap& map, Barrier& bar, int row0, int head,
+                                              int batch) {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n" ::"r"(smem_address(dst)),
+        "l"(reinterpret_cast<unsigned long long>(&map)), "r"(0), "r"(row0), "r"(0), "r"(head), "r"(batch),
+        "r"(smem_address(&bar))
+        : "memory");
+}
+
+// The producer's part of a row-walking pass: the K and V tiles (ROWS keys, key/value head hk, batch element b)
+// of each entry of `span` into their rings, the next copy issued as soon as a buffer is free.
+template <int ROWS, int STAGES>
+__device__ __forceinline__ void stream_kv(const Params& p, Span span, int hk, int b, elem_t (*k)[ROWS * HEAD_DIM],
+                                          elem_t (*v)[ROWS * HEAD_DIM], const TensorMap& k_map,
+                                          const TensorMap& v_map, Ring<STAGES>& k_ring, Ring<STAGES>& v_ring) {
+    constexpr unsigned BYTES = ROWS * HEAD_DIM * sizeof(elem_t);
+    for (int i = 0; i < span.count; ++i) {
+        const int k0 = p.entries[span.begin + i].x * ROWS;
+        tma_load_tile(k[i % STAGES], k_map, k_ring.fill(i, BYTES), k0, hk, b);
+        tma_load_tile(v[i % STAGES], v_map, v_ring.fill(i, BYTES), k0, hk, b);
+    }
+}
+
+// ---- warpgroup MMA ----------------------------------------------------------------------------------------
+// The descriptor of a swizzled shared matrix at `p`. K-major: 8-row groups 1024 bytes apart (the leading
+// offset is unused). MN-major: the same along the reduction, and `panel_bytes` between the 64-wide panels of
+// the N dimension.
+__device__ __forceinline__ unsigned long long smem_desc(const void* p, unsigned panel_bytes = 16) {
+    return static_cast<unsigned long long>((smem_address(p) & 0x3FFFF) >> 4) |
+           static_cast<unsigned long long>(panel_bytes >> 4) << 16 | static_cast<unsigned long long>(1024 >> 4) << 32 |
+           1ull << 62;  // 128-byte swizzle
+}
+
+// Orders this thread's register accesses before the warpgroup MMAs that follow (accumulators rescaled, A
+// fragments written).
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Keeps the compiler from touching an MMA's registers while it is in flight: after the wait, they count as
+// read and written here (accumulators), or as live until here (A fragments).
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&x)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+f"(x[i][j])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_operands(unsigned (&x)[N][4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(x[i][j])::"memory");
+}
+
+// ---- tile products ----------------------------------------------------------------------------------------
+// acc (64 x N) = A B^T over HEAD_DIM: A the 64 rows at `a` of a shared tile whose panels hold A_ROWS rows, B an
+// N-row shared tile; both K-major. Issued as one group and left in flight (wgmma_wait, then fence_operands).
+template <int N, int A_ROWS>
+__device__ __forceinline__ void issue_ABt(float (&acc)[N / 8][4], const elem_t* a, const elem_t* b) {
+    wgmma_fence();
+#pragma unroll
+    for (int kd = 0; kd < HEAD_DIM / 16; ++kd) {
+        // Panel kd / 4; inside it, 16 elements (32 bytes) per step along the swizzled row.
+        const int panel = kd / 4, col = (kd % 4) * 16;
+        wgmma_ss<N>(acc, smem_desc(a + panel * A_ROWS * 64 + col), smem_desc(b + panel * N * 64 + col), kd > 0);
+    }
+    wgmma_commit();
+}
+
+// acc (64 x HEAD_DIM) += P B: P (64 x K) as A fragments in registers, B a K-row shared tile read MN-major.
+// Issued as one group and left in flight; P must stay untouched until it lands.
+template <int K>
+__device__ __forceinline__ void issue_PB(float (&acc)[HEAD_DIM / 8][4], const unsigned (&pa)[K / 16][4],
+                                         const elem_t* b) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) wgmma_rs<HEAD_DIM>(acc, pa[kk], smem_desc(b + kk * 16 * 64, K * 128));
+    wgmma_commit();
+}
+
+// An fp32 accumulator (64 x K) as the A fragments of a product with it: the C layout of two adjacent 8-column
+// tiles is the A layout of one 16-deep step.
+template <int K>
+__device__ __forceinline__ void to_a_fragments(const float (&acc)[K / 8][4], unsigned (&pa)[K / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        pa[kk][0] = pack_u32(acc[2 * kk][0], acc[2 * kk][1]);
+        pa[kk][1] = pack_u32(acc[2 * kk][2], acc[2 * kk][3]);
+        pa[kk][2] = pack_u32(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+        pa[kk][3] = pack_u32(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+    }
+}
+
+// Synchronises the 128 threads of one warpgroup (named barrier `id`, 1-15; 0 is __syncthreads).
+__device__ __forceinline__ void warpgroup_sync(int id) {
+    asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
+}
+
+// Turns between two consumer warpgroups (named barriers 1 and 2, 256 threads each: one warpgroup waits, the
+// other arrives). Consumer c takes its turn on barrier 1 + c and passes it on barrier 2 - c: while one issues
+// its products, the other runs its softmax.
+__device__ __forceinline__ void take_turn(int consumer) {
+    asm volatile("bar.sync %0, 256;\n" ::"r"(1 + consumer) : "memory");
+}
+__device__ __forceinline__ void pass_turn(int consumer) {
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - consumer) : "memory");
+}
+
+// ---- registers ------------------------------------------------------------------------------------------
+// A warpgroup's per-thread register budget: the producer gives registers back, the consumers take them.
+template <int REGS>
+__device__ __forceinline__ void release_registers() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+template <int REGS>
+__device__ __forceinline__ void claim_registers() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+
+}  // namespace csa

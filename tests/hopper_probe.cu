@@ -1,0 +1,56 @@
+// One warpgroup runs the Hopper primitives of kernels/hopper.cuh once, each result written out, so that a
+// failure of the Hopper forward can be pinned on one of them (tests/test_hopper_probe.py): the TMA copy (the
+// raw, swizzled shared tile of K), S = Q K^T (wgmma from shared memory) and O = P V (wgmma with P from
+// registers, V read MN-major). The test prepends a forward_sm90 prelude and hopper.cuh.
+using namespace csa;
+
+struct alignas(1024) ProbeShared {
+    elem_t q[64 * HEAD_DIM];
+    elem_t k[TILE_N * HEAD_DIM];
+    elem_t v[TILE_N * HEAD_DIM];
+    Barrier full;
+};
+
+// Writes a warpgroup's 64 x N accumulator row-major into out.
+template <int N>
+__device__ void store_accumulator(const float (&acc)[N / 8][4], float* out) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    for (int n = 0; n < N / 8; ++n)
+        for (int j = 0; j < 4; ++j) out[(warp * 16 + g + 8 * (j / 2)) * N + n * 8 + 2 * t + j % 2] = acc[n][j];
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+    csa_probe(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
+              const __grid_constant__ TensorMap v_map, elem_t* k_raw, float* s_out, float* o_out) {
+    extern __shared__ unsigned char smem_raw[];
+    ProbeShared& sh = aligned_shared<ProbeShared>(smem_raw);
+    if (threadIdx.x == 0) {
+        sh.full.init(1);
+        fence_barrier_init();
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        sh.full.expect_bytes((64 + 2 * TILE_N) * HEAD_DIM * sizeof(elem_t));
+        tma_load_tile(sh.q, q_map, sh.full, 0, 0, 0);
+        tma_load_tile(sh.k, k_map, sh.full, 0, 0, 0);
+        tma_load_tile(sh.v, v_map, sh.full, 0, 0, 0);
+    }
+    sh.full.wait(0);
+    for (int i = threadIdx.x; i < TILE_N * HEAD_DIM; i += 128) k_raw[i] = sh.k[i];
+
+    float s[TILE_N / 8][4];
+    issue_ABt<TILE_N, 64>(s, sh.q, sh.k);
+    wgmma_wait<0>();
+    fence_operands(s);
+    store_accumulator<TILE_N>(s, s_out);
+
+    unsigned pa[TILE_N / 16][4];
+    to_a_fragments<TILE_N>(s, pa);
+    float o[HEAD_DIM / 8][4];
+    zero(o);
+    issue_PB<TILE_N>(o, pa, sh.v);
+    wgmma_wait<0>();
+    fence_operands(o);
+    fence_operands(pa);
+    store_accumulator<HEAD_DIM>(o, o_out);
+}

@@ -1,0 +1,71 @@
+"""The Hopper primitives one at a time (tests/hopper_probe.cu), on an H100/H200: the TMA copy's swizzled
+shared tile, S = Q K^T from shared memory, and O = P V with P from registers. When the Hopper forward fails,
+these say which piece is wrong."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kernel_cases import _torch, np_dtype, to_device, to_host
+
+from cusparseattn import build, env
+
+pytestmark = pytest.mark.gpu
+
+SOURCE = env.kernels_dir().parent / "tests" / "hopper_probe.cu"
+
+
+def _probe(dtype: str, head_dim: int):
+    import cupy
+
+    from cusparseattn import cuda
+
+    if cuda.compute_capability(0) != 90:
+        pytest.skip("the Hopper primitives need compute capability 9.0")
+    spec = build.KernelSpec.make("forward_sm90", dtype, head_dim)
+    source = spec.prelude() + build._inline("hopper.cuh") + SOURCE.read_text()
+    function = cupy.RawModule(code=source, options=build.nvrtc_options(spec.arch)).get_function("csa_probe")
+    shared = (64 + 2 * 128) * head_dim * 2 + 1024 + 1024
+    function.max_dynamic_shared_size_bytes = shared
+    return function, shared
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", build.HOPPER_HEAD_DIMS)
+def test_tma_and_both_warpgroup_products(dtype, head_dim):
+    torch = _torch()
+    from cusparseattn import arrays, tma
+
+    function, shared = _probe(dtype, head_dim)
+    rng = np.random.default_rng(0)
+    # Q has 50 rows: its 64-row box reads 14 rows past the end, which TMA fills with zeros.
+    q, k, v = (rng.standard_normal((1, 1, n, head_dim)).astype(np_dtype(dtype)) for n in (50, 128, 128))
+    tq, tk, tv = (to_device(x) for x in (q, k, v))
+    maps = [
+        tma.tile_map(arrays.wrap(t, name), rows)
+        for t, name, rows in ((tq, "q", 64), (tk, "k", 128), (tv, "v", 128))
+    ]
+    k_raw = torch.full((128 * head_dim,), float("nan"), dtype=tk.dtype, device="cuda")
+    s_out = torch.full((64, 128), float("nan"), device="cuda")
+    o_out = torch.full((64, head_dim), float("nan"), device="cuda")
+    function((1,), (128,), (*maps, k_raw.data_ptr(), s_out.data_ptr(), o_out.data_ptr()), shared_mem=shared)
+    torch.cuda.synchronize()
+
+    # TMA: panel p, row r, 16-byte chunk c of the tile sits at chunk c ^ (r % 8) of its 128-byte row.
+    raw = to_host(k_raw).reshape(head_dim // 64, 128, 8, 8)
+    for p in range(head_dim // 64):
+        for r in range(128):
+            for c in range(8):
+                expected = k[0, 0, r, p * 64 + c * 8 : p * 64 + c * 8 + 8]
+                where = f"TMA tile: panel {p} row {r} chunk {c}"
+                assert np.array_equal(raw[p, r, c ^ (r % 8)], expected), where
+
+    q64 = np.zeros((64, head_dim))
+    q64[:50] = q[0, 0].astype(np.float64)
+    s = q64 @ k[0, 0].astype(np.float64).T
+    # Exact products of 16-bit inputs, summed in fp32.
+    np.testing.assert_allclose(to_host(s_out), s, rtol=1e-4, atol=1e-3, err_msg="S = Q K^T (shared A and B)")
+    p = to_host(s_out).astype(np_dtype(dtype)).astype(np.float64)  # P rounded as the kernel packs it
+    o = p @ v[0, 0].astype(np.float64)
+    bound = 1e-4 * np.abs(p) @ np.abs(v[0, 0].astype(np.float64)) + 1e-4
+    assert np.all(np.abs(to_host(o_out) - o) <= bound), "O = P V (register A, MN-major B)"
