@@ -291,6 +291,8 @@ def _setup_context(ctx, inputs, output):
     q, k, v, layout_key, score_key, scale, backend, recompute = inputs
     out, lse = output
     ctx.mark_non_differentiable(lse)
+    # lse has no gradient: no zero-filled tensor for it on every backward (an allocation and a fill kernel).
+    ctx.set_materialize_grads(False)
     ctx.args, ctx.recompute = (layout_key, score_key, scale, backend), recompute
     # Keeps the layout and score mod alive until the backward has run.
     ctx.held = (_OBJECTS.get(layout_key), _OBJECTS.get(score_key))
@@ -298,6 +300,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _autograd_backward(ctx, dout, _dlse):
+    if dout is None:  # an undefined gradient of out (torch.autograd.grad may pass one): no gradients
+        return None, None, None, None, None, None, None, None
     q, k, v, *saved = ctx.saved_tensors
     if ctx.recompute:
         saved = torch.ops.cusparseattn.attention_forward(q, k, v, *ctx.args, False)

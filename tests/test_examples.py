@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,3 +101,22 @@ def test_bench_options_and_table(capsys):
     line = capsys.readouterr().out.splitlines()[-1].split()
     # case, S, D, "|", one figure per peer, then ours / Flex.
     assert line[:3] == ["causal", "4096", "128"] and line[4 + len(bench.PEERS)] == "0.86" and line[-1] == "-"
+
+
+def test_host_time_wraps_every_stage_and_puts_it_back():
+    """The host-time breakdown names stages by path: a renamed stage fails here, not on the GPU machine."""
+    pytest.importorskip("torch")
+    import collections
+
+    from cusparseattn import api, backends, cuda
+
+    host_time = _load(ROOT / "benchmarks" / "host_time.py")
+    before = (api._prepare, backends.select, backends.CudaBackend.backward, cuda._launch)
+    totals = collections.defaultdict(float)
+    saved = host_time.instrument(totals)
+    assert len(saved) == len(host_time.STAGES) and api._prepare is not before[0]
+    q = np.ones((1, 1, 8, 4))
+    api._prepare(q, q, q, None, causal=True, scale=None)
+    host_time.restore(saved)
+    assert set(totals) == {"api._prepare"} and totals["api._prepare"] > 0
+    assert (api._prepare, backends.select, backends.CudaBackend.backward, cuda._launch) == before
