@@ -62,7 +62,7 @@ TILES = {
 }
 # Hopper kernels (sm_90a: TMA, wgmma, a producer warpgroup) take head dims of whole 64-element panels.
 HOPPER_HEAD_DIMS = (64, 128)
-HOPPER_STAGES = 2  # forward_sm90.cu's STAGES
+HOPPER_STAGES = 2  # hopper.cuh's STAGES
 ARCH = {"forward_sm90": "sm_90a", "backward_dq_sm90": "sm_90a", "backward_dkdv_sm90": "sm_90a"}
 KERNELS = tuple(TILES)
 # With a score mod, the dQ pass keeps its derivative's arithmetic beside the scores and dO V^T: key tiles of

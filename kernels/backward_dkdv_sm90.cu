@@ -11,11 +11,7 @@
 
 using namespace csa;
 
-constexpr int CONSUMERS = 2;
-constexpr int THREADS = (CONSUMERS + 1) * 128;
-constexpr int STAGES = 2;
-static_assert(NWARPS * 32 == THREADS && TILE_N == CONSUMERS * 64, "one producer and two 64-key consumers");
-static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM == HEAD_DIM_REAL, "tiles are whole 64-element panels");
+static_assert(TILE_N == CONSUMERS * 64, "two 64-key consumers");
 static_assert(TILE_M % 16 == 0 && TILE_M <= 256, "a query tile is one wgmma N");
 
 constexpr unsigned KV_BYTES = TILE_N * HEAD_DIM * sizeof(elem_t);

@@ -8,11 +8,7 @@
 
 using namespace csa;
 
-constexpr int CONSUMERS = 2;
-constexpr int THREADS = (CONSUMERS + 1) * 128;
-constexpr int STAGES = 2;
-static_assert(NWARPS * 32 == THREADS && TILE_M == CONSUMERS * 64, "one producer and two 64-row consumers");
-static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM == HEAD_DIM_REAL, "tiles are whole 64-element panels");
+static_assert(TILE_M == CONSUMERS * 64, "two 64-row consumers");
 static_assert(TILE_N % 16 == 0 && TILE_N <= 256, "a key tile is one wgmma N");
 
 constexpr unsigned Q_BYTES = TILE_M * HEAD_DIM * sizeof(elem_t);

@@ -17,6 +17,14 @@
 
 namespace csa {
 
+// Every Hopper pass: one producer warpgroup, two consumer warpgroups of 64 rows (queries, or keys in the dK/dV
+// pass), rings of STAGES buffers (the builder's HOPPER_STAGES), tiles of whole 64-element panels.
+constexpr int CONSUMERS = 2;
+constexpr int THREADS = (CONSUMERS + 1) * 128;
+constexpr int STAGES = 2;
+static_assert(NWARPS * 32 == THREADS, "one producer and two consumer warpgroups");
+static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM == HEAD_DIM_REAL, "tiles are whole 64-element panels");
+
 // A CUtensorMap (the driver's 128-byte opaque TMA descriptor), passed as a __grid_constant__ kernel argument.
 struct alignas(64) TensorMap {
     unsigned long long opaque[16];
@@ -58,28 +66,28 @@ struct Barrier {
     }
 };
 
-// A ring of STAGES shared buffers that one producer thread fills by TMA and the consumer warpgroups drain, use
-// i going to buffer i % STAGES. Each buffer has a barrier that completes when its copies have landed (full)
+// A ring of DEPTH shared buffers that one producer thread fills by TMA and the consumer warpgroups drain, use
+// i going to buffer i % DEPTH. Each buffer has a barrier that completes when its copies have landed (full)
 // and one that completes when every consumer thread has released it (empty).
-template <int STAGES>
+template <int DEPTH>
 struct Ring {
-    Barrier full[STAGES], empty[STAGES];
+    Barrier full[DEPTH], empty[DEPTH];
 
     __device__ __forceinline__ void init(unsigned consumer_threads) {
-        for (int s = 0; s < STAGES; ++s) {
+        for (int s = 0; s < DEPTH; ++s) {
             full[s].init(1);
             empty[s].init(consumer_threads);
         }
     }
-    // The producer: waits until use i - STAGES has been released, announces use i's bytes and returns the
-    // barrier its copies complete on. The first STAGES uses do not wait (parity 1 of a fresh barrier).
+    // The producer: waits until use i - DEPTH has been released, announces use i's bytes and returns the
+    // barrier its copies complete on. The first DEPTH uses do not wait (parity 1 of a fresh barrier).
     __device__ __forceinline__ Barrier& fill(int i, unsigned bytes) {
-        empty[i % STAGES].wait(((i / STAGES) & 1) ^ 1);
-        full[i % STAGES].expect_bytes(bytes);
-        return full[i % STAGES];
+        empty[i % DEPTH].wait(((i / DEPTH) & 1) ^ 1);
+        full[i % DEPTH].expect_bytes(bytes);
+        return full[i % DEPTH];
     }
-    __device__ __forceinline__ void wait(int i) { full[i % STAGES].wait((i / STAGES) & 1); }
-    __device__ __forceinline__ void release(int i) { empty[i % STAGES].arrive(); }
+    __device__ __forceinline__ void wait(int i) { full[i % DEPTH].wait((i / DEPTH) & 1); }
+    __device__ __forceinline__ void release(int i) { empty[i % DEPTH].arrive(); }
 };
 
 // The kernel's shared struct at the first 1024-byte boundary of dynamic shared memory, which is only
@@ -110,7 +118,7 @@ __device__ __forceinline__ void tma_load_tile(elem_t* dst, const TensorMap& map,
 
 // The producer's part of a row-walking pass: the K and V tiles (ROWS keys, key/value head hk, batch element b)
 // of each entry of `span` into their rings, the next copy issued as soon as a buffer is free.
-template <int ROWS, int STAGES>
+template <int ROWS>
 __device__ __forceinline__ void stream_kv(const Params& p, Span span, int hk, int b, elem_t (*k)[ROWS * HEAD_DIM],
                                           elem_t (*v)[ROWS * HEAD_DIM], const TensorMap& k_map,
                                           const TensorMap& v_map, Ring<STAGES>& k_ring, Ring<STAGES>& v_ring) {
