@@ -4,10 +4,12 @@
 ``torch.ops.cusparseattn.attention_forward`` (``out, lse``) and ``attention_backward`` (``dq, dk, dv``), each
 with a fake implementation (shapes only) and autograd registered through ``torch.library``, so
 ``torch.compile`` keeps them whole in its graph (``fullgraph=True`` works) while CPU tensors run the NumPy
-reference and CUDA tensors the kernels. The forward saves ``q, k, v, out, lse`` for the backward;
-``recompute=True`` saves only ``q, k, v`` and runs the forward again in the backward (less memory held
-between the passes, one more forward). The log-sum-exp that ``return_lse=True`` returns is not
-differentiable.
+reference and CUDA tensors the kernels. Outside ``torch.compile``, `attention` runs the same passes through a
+``torch.autograd.Function``: the operators' dispatch costs host time that a short call cannot hide.
+
+The forward saves ``q, k, v, out, lse`` for the backward; ``recompute=True`` saves only ``q, k, v`` and runs
+the forward again in the backward (less memory held between the passes, one more forward). The log-sum-exp
+that ``return_lse=True`` returns is not differentiable.
 
 An operator takes tensors, numbers and strings, not layouts: `attention` validates its arguments, picks
 the layout for these lengths and hands the operators an integer key of a process-wide registry that holds
@@ -37,7 +39,6 @@ import torch
 
 from . import api, backends
 from .arrays import FixedTensor, torch_device, torch_dtype_name
-from .backends import Inputs
 
 
 class _Registry:
@@ -147,10 +148,7 @@ def _plan(layout, score_mod, causal, backend, backward, q, k, v):
         holders = []
         for name, x in (("q", q), ("k", k), ("v", v)):
             if isinstance(x, str):
-                raise TypeError(
-                    f"{name} must be a torch.Tensor, got {x}; cusparseattn.attention takes arrays of any "
-                    "framework"
-                )
+                raise TypeError(_not_a_tensor(name, x))
             holders.append(_Described(name, *x))
         inputs = api._prepare(
             *holders, _dereference(layout), causal=causal, scale=None, score_mod=_dereference(score_mod)
@@ -165,6 +163,11 @@ def _plan(layout, score_mod, causal, backend, backward, q, k, v):
 
 
 _ERRORS = {"TypeError": TypeError, "ValueError": ValueError}
+
+
+def _not_a_tensor(name: str, type_name: str) -> str:
+    why = "cusparseattn.attention takes arrays of any framework"
+    return f"{name} must be a torch.Tensor, got {type_name}; {why}"
 
 
 def _scale(scale, default: float) -> float:
@@ -207,6 +210,9 @@ def attention(
     backward = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)
     )
+    if not torch.compiler.is_compiling():
+        out, lse = _eager(q, k, v, layout, causal, scale, backend, score_mod, recompute, backward)
+        return (out, lse) if return_lse else out
     layout_key, score_key, default_scale, _, error = _plan(
         _by_reference(layout),
         _by_reference(score_mod),
@@ -226,13 +232,74 @@ def attention(
     return (out, lse) if return_lse else out
 
 
+# ---- the passes, shared by eager mode and the operators ---------------------------------------------------
+
+
+def _outputs(holders) -> tuple[torch.Tensor, ...]:
+    return tuple(h.native.contiguous() for h in holders)
+
+
+def _outputs_of(q, k, v, layout, score_mod, scale: float, backend) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of the forward, its arguments checked as `attention` checks them."""
+    inputs = api._prepare(q, k, v, layout, causal=False, scale=scale, score_mod=score_mod)
+    return _outputs(backends.select(inputs, "forward", backend).forward(inputs))
+
+
+def _gradients(dout, q, k, v, out, lse, layout, score_mod, scale: float, backend):
+    """``(dq, dk, dv)``, contiguous, from ``dout``, the gradient of the loss with respect to ``out``."""
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()  # e.g. the stride-0 ones that out.sum().backward() sends
+    inputs = api._prepare(
+        q, k, v, layout, causal=False, scale=scale, dout=dout, out=out, lse=lse, score_mod=score_mod
+    )
+    return _outputs(backends.select(inputs, "backward", backend).backward(inputs))
+
+
+# ---- eager mode --------------------------------------------------------------------------------------------
+
+
+def _eager(q, k, v, layout, causal, scale, backend, score_mod, recompute, backward):
+    """`attention` outside ``torch.compile``: the arguments are checked once, and the passes run without the
+    operators' dispatch. Both had doubled a call's host time, which at S = 4096 exceeded the kernels' time."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(_not_a_tensor(name, f"{type(x).__module__}.{type(x).__qualname__}"))
+    inputs = api._prepare(q, k, v, layout, causal=causal, scale=scale, score_mod=score_mod)
+    chosen = backends.select(inputs, "forward", backend)
+    if not backward:
+        return _outputs(chosen.forward(inputs))
+    if backend is not None:
+        backends.select(inputs, "backward", backend)  # a forced backend must run the backward: say so now
+    return _Attention.apply(q, k, v, inputs, chosen, backend, recompute)
+
+
+class _Attention(torch.autograd.Function):
+    """Eager mode's autograd node (under ``torch.compile``, the operators' registered autograd)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, inputs, chosen, backend, recompute):
+        out, lse = _outputs(chosen.forward(inputs))
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # lse has no gradient: no zero-filled tensor for it
+        # The layout and score mod live as long as the graph that needs them.
+        ctx.layout, ctx.score_mod, ctx.scale = inputs.layout, inputs.score_mod, inputs.scale
+        ctx.backend, ctx.recompute = backend, recompute
+        ctx.save_for_backward(*((q, k, v) if recompute else (q, k, v, out, lse)))
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, _dlse):
+        if dout is None:  # an undefined gradient of out (torch.autograd.grad may pass one): no gradients
+            return None, None, None, None, None, None, None
+        q, k, v, *saved = ctx.saved_tensors
+        args = (ctx.layout, ctx.score_mod, ctx.scale, ctx.backend)
+        if ctx.recompute:
+            saved = _outputs_of(q, k, v, *args)
+        return *_gradients(dout, q, k, v, *saved, *args), None, None, None, None
+
+
 # ---- the operators -----------------------------------------------------------------------------------------
-
-
-def _inputs(q, k, v, layout_key: int, score_key: int, scale: float, **extra) -> Inputs:
-    """One operator call's arguments, checked as `attention` checks them: the operators are public too."""
-    layout, score_mod = _OBJECTS.get(layout_key), _OBJECTS.get(score_key)
-    return api._prepare(q, k, v, layout, causal=False, scale=scale, score_mod=score_mod, **extra)
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -251,9 +318,7 @@ def _forward(
     recompute: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``, contiguous. ``recompute`` changes only what autograd saves for the backward."""
-    inputs = _inputs(q, k, v, layout_key, score_key, scale)
-    out, lse = backends.select(inputs, "forward", backend).forward(inputs)
-    return out.native.contiguous(), lse.native.contiguous()
+    return _outputs_of(q, k, v, _OBJECTS.get(layout_key), _OBJECTS.get(score_key), scale, backend)
 
 
 @_forward.register_fake
@@ -275,11 +340,8 @@ def _backward(
     backend: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``, contiguous, from ``dout``, the gradient of the loss with respect to ``out``."""
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()  # e.g. the stride-0 ones that out.sum().backward() sends
-    inputs = _inputs(q, k, v, layout_key, score_key, scale, dout=dout, out=out, lse=lse)
-    grads = backends.select(inputs, "backward", backend).backward(inputs)
-    return tuple(g.native.contiguous() for g in grads)
+    layout, score_mod = _OBJECTS.get(layout_key), _OBJECTS.get(score_key)
+    return _gradients(dout, q, k, v, out, lse, layout, score_mod, scale, backend)
 
 
 @_backward.register_fake

@@ -134,6 +134,22 @@ def test_sparse_attention_module():
     assert isinstance(module, torch.nn.Module) and list(module.parameters()) == []
 
 
+def test_eager_calls_skip_the_operators():
+    """Outside torch.compile the passes run in an autograd.Function (the operators' dispatch is for graphs),
+    with the operators' results."""
+    q, k, v = tensors()
+    layout = patterns.causal(block=16).layout(24)
+    key = ca_torch._OBJECTS.key(layout)
+    op_out = ops.attention_forward(q, k, v, key, -1, 0.5, None, False)[0]
+    want = torch.autograd.grad(op_out.sum(), (q, k, v))
+    for recompute in (False, True):
+        out = ca_torch.attention(q, k, v, layout, recompute=recompute)
+        assert type(out.grad_fn).__name__ == "_AttentionBackward"
+        torch.testing.assert_close(out, op_out, rtol=0, atol=0)
+        for g, w in zip(torch.autograd.grad(out.sum(), (q, k, v)), want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 def test_no_torch_tensor_is_named():
     q, k, v = tensors(requires_grad=False)
     with pytest.raises(TypeError, match="q must be a torch.Tensor, got numpy.ndarray"):
