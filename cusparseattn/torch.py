@@ -150,16 +150,22 @@ def _plan(layout, score_mod, causal, backend, backward, q, k, v):
             if isinstance(x, str):
                 raise TypeError(_not_a_tensor(name, x))
             holders.append(_Described(name, *x))
-        inputs = api._prepare(
-            *holders, _dereference(layout), causal=causal, scale=None, score_mod=_dereference(score_mod)
-        )
-        backends.select(inputs, "forward", backend)
-        if backend is not None and backward:
-            backends.select(inputs, "backward", backend)  # a forced backend must run the backward: say so now
+        layout, score_mod = _dereference(layout), _dereference(score_mod)
+        inputs, _ = _checked(*holders, layout, causal, None, score_mod, backend, backward)
     except (TypeError, ValueError) as err:
         return None, None, None, None, ("TypeError" if isinstance(err, TypeError) else "ValueError", str(err))
     held = (inputs.layout, inputs.score_mod)
     return _OBJECTS.key(inputs.layout), _OBJECTS.key(inputs.score_mod), inputs.scale, held, None
+
+
+def _checked(q, k, v, layout, causal, scale, score_mod, backend, backward: bool):
+    """One call's validated `Inputs` and the backend that runs its forward; a forced backend must also be able
+    to run the backward when there will be one: say so now, not in the backward."""
+    inputs = api._prepare(q, k, v, layout, causal=causal, scale=scale, score_mod=score_mod)
+    chosen = backends.select(inputs, "forward", backend)
+    if backend is not None and backward:
+        backends.select(inputs, "backward", backend)
+    return inputs, chosen
 
 
 _ERRORS = {"TypeError": TypeError, "ValueError": ValueError}
@@ -264,12 +270,9 @@ def _eager(q, k, v, layout, causal, scale, backend, score_mod, recompute, backwa
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(_not_a_tensor(name, f"{type(x).__module__}.{type(x).__qualname__}"))
-    inputs = api._prepare(q, k, v, layout, causal=causal, scale=scale, score_mod=score_mod)
-    chosen = backends.select(inputs, "forward", backend)
+    inputs, chosen = _checked(q, k, v, layout, causal, scale, score_mod, backend, backward)
     if not backward:
         return _outputs(chosen.forward(inputs))
-    if backend is not None:
-        backends.select(inputs, "backward", backend)  # a forced backend must run the backward: say so now
     return _Attention.apply(q, k, v, inputs, chosen, backend, recompute)
 
 
