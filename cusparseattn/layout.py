@@ -39,6 +39,10 @@ class TokenRule:
     ``A0..A3`` (values in ``arrays``): kernels compile the expression, so new parameter values never
     recompile. A rule with no ``c_expr`` reaches the kernels as a bit mask per partial tile.
 
+    ``c_partial``, where given, is a cheaper expression with the same parameters that is exact only inside
+    the partial blocks of the layout built with the rule (and of its windows and sub-layouts): kernels
+    evaluate the rule nowhere else, so they compile it in place of ``c_expr``.
+
     >>> r = TokenRule("causal", lambda b, h, q, k: k <= q, c_expr="k <= q")
     >>> bool(r(0, 0, 5, 3))
     True
@@ -49,14 +53,20 @@ class TokenRule:
     c_expr: str | None = None
     params: tuple[int, ...] = ()
     arrays: tuple[np.ndarray, ...] = field(default=())
+    c_partial: str | None = None
 
     def __call__(self, b, h, q, k) -> np.ndarray:
         return np.asarray(self.fn(b, h, q, k), dtype=bool)
 
     @property
+    def kernel_expr(self) -> str | None:
+        """The C expression that the attention kernels compile."""
+        return self.c_partial or self.c_expr
+
+    @property
     def structure(self) -> tuple:
-        """What changes compiled code: the expression and the number of parameters, never their values."""
-        return (self.c_expr, len(self.params), tuple(a.dtype.str for a in self.arrays))
+        """What changes compiled code: the expressions and the number of parameters, never their values."""
+        return (self.c_expr, self.c_partial, len(self.params), tuple(a.dtype.str for a in self.arrays))
 
     def __repr__(self) -> str:
         return f"TokenRule({self.name!r})"
@@ -700,20 +710,21 @@ def _shifted_rule(rule: TokenRule, db: int = 0, dh: int = 0, dq: int = 0, dk: in
     """`rule` seen from a sub-layout whose batch, head, query and key 0 are the original's db, dh, dq, dk: the
     C expression gains one parameter per nonzero shift (or, past the parameter slots, falls back to bits)."""
     shifts = {"b": db, "h": dh, "q": dq, "k": dk}
-    expr, params = rule.c_expr, list(rule.params)
-    if expr is not None and len(params) + sum(s != 0 for s in shifts.values()) > MAX_PARAMS:
-        expr = None
+    exprs, params = [rule.c_expr, rule.c_partial], list(rule.params)
+    if rule.c_expr is None or len(params) + sum(s != 0 for s in shifts.values()) > MAX_PARAMS:
+        exprs = [None, None]
     for var, shift in shifts.items():
-        if expr is not None and shift:
-            expr = re.sub(rf"\b{var}\b", f"({var} + P{len(params)})", expr)
+        if exprs[0] is not None and shift:
+            exprs = [e and re.sub(rf"\b{var}\b", f"({var} + P{len(params)})", e) for e in exprs]
             params.append(shift)
     moved = ", ".join(f"{var}+{s}" for var, s in shifts.items() if s)
     return TokenRule(
         f"{rule.name}[{moved}]",
         _Shifted(rule.fn, (db, dh, dq, dk)),
-        c_expr=expr,
-        params=tuple(params) if expr is not None else (),
-        arrays=rule.arrays if expr is not None else (),
+        c_expr=exprs[0],
+        params=tuple(params) if exprs[0] is not None else (),
+        arrays=rule.arrays if exprs[0] is not None else (),
+        c_partial=exprs[1],
     )
 
 

@@ -403,11 +403,15 @@ def strided_blocks(stride_blocks: int, *, block=128) -> Pattern:
         near_any = np.maximum(a0, k0) <= np.minimum(a1, (kb + s) * bb - 1)
         any_ = np.where(column, a1 >= k0, near_any)
         all_ = (k1 <= a0) & (column | (a1 // bb - kb < s))
+        # With the offset a multiple of the block, the partial blocks are those that the diagonal crosses, and
+        # their block term holds: the kernels compile the causal term alone (64-bit divisions are long
+        # subroutines, whose code alone slows the kernel).
         rule = TokenRule(
             f"strided_blocks({s})",
             lambda b, h, q, k: (k <= q + off) & (((q + off) // bb - k // bb < s) | ((k // bb) % s == s - 1)),
             c_expr="k <= q + P0 && ((q + P0) / P1 - k / P1 < P2 || (k / P1) % P2 == P2 - 1)",
             params=(off, bb, s),
+            c_partial="k <= q + P0" if off % bb == 0 else None,
         )
         return _classified(any_, all_, rule, (bb, bb), sq, sk, exact=True)
 

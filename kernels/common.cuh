@@ -418,20 +418,11 @@ __device__ __forceinline__ bool visible(const Params& p, int pidx, const ulonglo
 #endif
 }
 
-// Which elements of a warp's 16 x COLS accumulator tile are visible, one bit each (bit 4n + 2r + c for element
-// [n][2r + c]). Rows are queries and columns keys, or the transpose (the dK/dV pass); `row0` is the warp's
-// first row in the tile. Computed before the scores exist, so that the rule's arithmetic does not compete
-// with the score accumulators for registers.
-template <bool TRANSPOSED, int COLS>
-__device__ __forceinline__ unsigned long long mask_bits(const Params& p, int pidx, int b, int h, int q0, int k0,
-                                                        int row0, int lane) {
+// mask_bits's loop: visible_at(tile-local query, tile-local key) of each of the warp's elements.
+template <bool TRANSPOSED, int COLS, class Visible>
+__device__ __forceinline__ unsigned long long gather_bits(int row0, int lane, Visible visible_at) {
     static_assert(COLS / 8 * 4 <= 64, "one bit per accumulator element fits a 64-bit word");
     const int g = lane >> 2, t = lane & 3;
-#if RULE_MODE == RULE_BITS
-    const ulonglong2 sub = make_ulonglong2(0, 0);
-#else
-    const ulonglong2 sub = p.sub_bits[pidx];
-#endif
     unsigned long long bits = 0;
 #pragma unroll
     for (int n = 0; n < COLS / 8; ++n)
@@ -440,11 +431,37 @@ __device__ __forceinline__ unsigned long long mask_bits(const Params& p, int pid
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 const int row = row0 + g + 8 * r, col = n * 8 + 2 * t + c;
-                const bool ok = TRANSPOSED ? visible(p, pidx, sub, b, h, q0, k0, col, row)
-                                           : visible(p, pidx, sub, b, h, q0, k0, row, col);
+                const bool ok = TRANSPOSED ? visible_at(col, row) : visible_at(row, col);
                 bits |= (unsigned long long)ok << (4 * n + 2 * r + c);
             }
     return bits;
+}
+
+// Which elements of a warp's 16 x COLS accumulator tile are visible, one bit each (bit 4n + 2r + c for element
+// [n][2r + c]). Rows are queries and columns keys, or the transpose (the dK/dV pass); `row0` is the warp's
+// first row in the tile. Computed before the scores exist, so that the rule's arithmetic does not compete
+// with the score accumulators for registers.
+template <bool TRANSPOSED, int COLS>
+__device__ __forceinline__ unsigned long long mask_bits(const Params& p, int pidx, int b, int h, int q0, int k0,
+                                                        int row0, int lane) {
+#if RULE_MODE == RULE_BITS
+    const ulonglong2 sub = make_ulonglong2(0, 0);
+#else
+    const ulonglong2 sub = p.sub_bits[pidx];
+#endif
+#if RULE_MODE == RULE_EXPR
+    // Where the rule alone decides (every layout block of the tile partial, every key inside the sequence: the
+    // diagonal and window-edge tiles of causal and local layouts), the per-element block bits are skipped;
+    // they cost several times the rule's own arithmetic.
+    const int cells = (TILE_M >> p.sub_q_shift) * p.sub_k_count;
+    const unsigned long long all = cells >= 64 ? ~0ull : (1ull << cells) - 1;
+    if (sub.x == all && sub.y == all && k0 + TILE_N <= p.seq_k)
+        return gather_bits<TRANSPOSED, COLS>(row0, lane, [&](int qi, int ki) {
+            return CSA_RULE((long long)b, (long long)h, (long long)(q0 + qi), (long long)(k0 + ki));
+        });
+#endif
+    return gather_bits<TRANSPOSED, COLS>(row0, lane,
+                                         [&](int qi, int ki) { return visible(p, pidx, sub, b, h, q0, k0, qi, ki); });
 }
 
 // ---- score mods ---------------------------------------------------------------------------------------------

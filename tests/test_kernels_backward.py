@@ -54,7 +54,7 @@ def test_backward_matches_reference(case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", ["causal", "local", "strided", "document"])
+@pytest.mark.parametrize("name", ["causal", "local", "strided", "strided_blocks", "document"])
 def test_builtin_rules(name, dtype):
     rng = np.random.default_rng(11)
     seq = 555
@@ -62,6 +62,7 @@ def test_builtin_rules(name, dtype):
         "causal": patterns.causal(block=64),
         "local": patterns.local(window=150, block=32),
         "strided": patterns.strided(stride=64, block=64),
+        "strided_blocks": patterns.strided_blocks(3, block=64),
         "document": patterns.document(seq_lens=[[300, 55, 200], [555]], block=64),
     }[name]
     q, k, v = random_qkv(rng, 2, 4, 2, seq, seq, 128, np_dtype(dtype))

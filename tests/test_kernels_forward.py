@@ -39,7 +39,7 @@ def test_forward_matches_reference(case):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", ["causal", "local", "strided", "document"])
+@pytest.mark.parametrize("name", ["causal", "local", "strided", "strided_blocks", "document"])
 def test_builtin_rules_compile_as_expressions(name, dtype):
     """The built-in patterns' rules reach the kernel as C expressions (no bit masks), and are right."""
     from cusparseattn import plan
@@ -50,6 +50,7 @@ def test_builtin_rules_compile_as_expressions(name, dtype):
         "causal": patterns.causal(block=64),
         "local": patterns.local(window=150, block=32),
         "strided": patterns.strided(stride=64, block=64),
+        "strided_blocks": patterns.strided_blocks(3, block=64),
         "document": patterns.document(seq_lens=[[300, 77, 400], [777]], block=64),
     }[name]
     layout = pattern.layout(seq)

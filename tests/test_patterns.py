@@ -62,8 +62,9 @@ def expand(blocks: np.ndarray, block: int, seq: int) -> np.ndarray:
     return blocks.repeat(block, axis=-2).repeat(block, axis=-1)[..., :seq, :seq].astype(bool)
 
 
-def run_c(rule: TokenRule, batch: int, heads: int, sq: int, sk: int, tmp_path) -> np.ndarray:
-    """Evaluate ``rule.c_expr`` with the C compiler over every in-range (b, h, q, k)."""
+def run_c(rule: TokenRule, batch: int, heads: int, sq: int, sk: int, tmp_path, expr=None) -> np.ndarray:
+    """Evaluate ``rule.c_expr`` (or `expr`, over the rule's parameters) with the C compiler over every
+    in-range (b, h, q, k)."""
     lines = ["#include <stdbool.h>", "#include <stdio.h>"]
     lines += [f"#define P{i} ({int(v)}LL)" for i, v in enumerate(rule.params)]
     for i, arr in enumerate(rule.arrays):
@@ -72,7 +73,7 @@ def run_c(rule: TokenRule, batch: int, heads: int, sq: int, sk: int, tmp_path) -
         "int main(void) {",
         f"  for (long long b = 0; b < {batch}; b++) for (long long h = 0; h < {heads}; h++)",
         f"  for (long long q = 0; q < {sq}; q++) for (long long k = 0; k < {sk}; k++)",
-        f"    putchar(({rule.c_expr}) ? '1' : '0');",
+        f"    putchar(({expr or rule.c_expr}) ? '1' : '0');",
         "  return 0;",
         "}",
     ]
@@ -623,6 +624,7 @@ C_CASES = [
     (patterns.strided(6, block=16), 90, 70),
     (patterns.strided(6, local=10, block=16), 70, 90),
     (patterns.strided_blocks(3, block=16), 100, 120),
+    (patterns.strided_blocks(1, block=16), 96, 128),
     (patterns.document(seq_lens=[[30, 40], [5, 60, 5]], causal=True, block=16), 70, 70),
     (patterns.document([0] * 33 + [1] * 37, block=16), 70, 70),
     (patterns.longformer(3, [1], global_tokens=[50], attention="unidirectional", block=16), 90, 90),
@@ -654,3 +656,31 @@ def test_c_expr_matches_rule(pat, sq, sk, tmp_path):
     assert np.array_equal(run_c(rule, batch, heads, sq, sk, tmp_path), want)
     if lay._exact_rule:
         assert np.array_equal(want, lay.to_dense(batch, heads))
+    if rule.c_partial is not None:
+        assert_kernel_expr_holds(lay, batch, heads, tmp_path)
+
+
+def assert_kernel_expr_holds(lay, batch, heads, tmp_path):
+    """The kernels' expression equals the rule inside the layout's partial blocks, where they evaluate it."""
+    rule, (bq, bk) = lay.rule, lay.block_size
+    b, h = np.arange(batch)[:, None, None, None], np.arange(heads)[None, :, None, None]
+    q, k = tokens(lay.seq_q, lay.seq_k)
+    want = np.broadcast_to(rule(b, h, q, k), (batch, heads, lay.seq_q, lay.seq_k))
+    got = run_c(rule, batch, heads, lay.seq_q, lay.seq_k, tmp_path, expr=rule.kernel_expr)
+    partial = lay.partial.repeat(bq, axis=2).repeat(bk, axis=3)[:, :, : lay.seq_q, : lay.seq_k]
+    partial = np.broadcast_to(partial, want.shape)
+    assert partial.any()
+    assert np.array_equal(got[partial], want[partial])
+
+
+@needs_cc
+def test_strided_blocks_kernels_compile_the_causal_term_when_aligned(tmp_path):
+    """Aligned, the partial blocks are the diagonal's, and the kernels skip the block term's divisions; its
+    windows (context parallelism) keep the cheap expression, shifted."""
+    lay = patterns.strided_blocks(3, block=16).layout(96, 128)
+    assert lay.rule.c_partial == "k <= q + P0"
+    assert_kernel_expr_holds(lay, 1, 1, tmp_path)
+    window = lay.window(32, 96, 16, 128)
+    assert window.rule.c_partial is not None
+    assert_kernel_expr_holds(window, 1, 1, tmp_path)
+    assert patterns.strided_blocks(3, block=16).layout(100, 120).rule.c_partial is None
