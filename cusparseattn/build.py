@@ -79,8 +79,8 @@ def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int
     if kernel in ARCH:  # the kernel's Shared struct (1024-aligned), and 1024 bytes to align it
         stages, barrier = HOPPER_STAGES, 8  # an mbarrier is 8 bytes
         payload = {
-            # Q; stages of K and V; a barrier for Q and the full/empty pairs of the K and V rings
-            "forward_sm90": 2 * head_dim * (tm + 2 * stages * tn) + barrier * (1 + 4 * stages),
+            # Q; stages of K and V; full/empty barriers for Q and for each stage of the K and V rings
+            "forward_sm90": 2 * head_dim * (tm + 2 * stages * tn) + barrier * (2 + 4 * stages),
             # Q and dO; stages of K and V; barriers as the forward's
             "backward_dq_sm90": 2 * head_dim * (2 * tm + 2 * stages * tn) + barrier * (1 + 4 * stages),
             # K and V; stages of Q and dO; 2 consumers x 2 buffers x (lse, delta) in fp32; a barrier for K
@@ -141,6 +141,7 @@ PARAMS = np.dtype(
         ("rule_p", np.int64, (8,)), ("rule_a", np.uint64, (4,)),
         ("q_origin", np.int64), ("k_origin", np.int64),
         ("score_ip", np.int64, (8,)), ("score_fp", np.float32, (8,)), ("score_a", np.uint64, (4,)),
+        ("work", np.uint64), ("work_count", np.int32),
     ],
     align=True,
 )  # fmt: skip

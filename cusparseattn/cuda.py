@@ -67,6 +67,14 @@ def max_shared(device: int) -> int:
     return int(cupy.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"])
 
 
+@functools.cache
+def sm_count(device: int) -> int:
+    """The device's streaming multiprocessors: a persistent kernel's grid."""
+    import cupy
+
+    return int(cupy.cuda.Device(device).attributes["MultiProcessorCount"])
+
+
 def tensor_reasons(*tensors) -> list[str]:
     """Why these device arrays cannot be read by the kernels' asynchronous copies (empty when they can): rows
     of [B, H, S, D] arrays move in 16-byte pieces, the float32 [B, H, S] vectors (lse) element by element."""
@@ -148,6 +156,19 @@ class DeviceTables:
         base["q_origin"], base["k_origin"] = layout.origin
         # As bytes: a launch starts from a copy of them (copying a NumPy struct costs 30 us).
         self.params = base.tobytes()
+        self.layout_lines = (layout.batch, layout.heads)
+        self._work: dict[tuple[int, ...], object] = {}
+
+    def work(self, batch: int, heads: int, ctas: int, group_items: int):
+        """The persistent passes' schedule for `batch` x `heads` on `ctas` CTAs (plan.work_order), on the
+        device."""
+        import cupy
+
+        key = (batch, heads, ctas, group_items)
+        if key not in self._work:
+            order = plan.work_order(self.plan, *self.layout_lines, batch, heads, ctas, group_items)
+            self._work[key] = cupy.asarray(order)
+        return self._work[key]
 
 
 def _set_rule(params: np.ndarray, rule) -> list:
@@ -250,6 +271,7 @@ _FIELDS = {
 _SIZES = _offset("seq_q")  # seq_q, seq_k, heads_q, group: four int32 in a row
 _SCALE = _offset("scale")
 _SCORE = slice(_offset("score_ip"), _offset("score_a") + 4 * 8)
+_WORK, _WORK_COUNT = _offset("work"), _offset("work_count")
 
 
 @functools.lru_cache(maxsize=256)
@@ -268,12 +290,13 @@ def _launch(
     scale: float,
     tiles,
     maps: tuple = (),
+    work=None,
     **arrays,
 ):
     """Packs the parameters of one pass over these holders (named as `_FIELDS`) and launches it on q's
     device and stream; `maps` (TMA descriptors) follow the parameters as kernel arguments. The struct is
     written as bytes at known offsets: a cached call's host time is the budget (setting NumPy struct fields
-    one by one cost more than the launch)."""
+    one by one cost more than the launch). `work`: a persistent pass's device work list."""
     q, k = arrays["q"], arrays["k"]
     spec_args = (kernel, q.dtype, q.shape[3], tiles, tables.plan.rule_mode, tables.rule_expr)
     function, block, shared = _kernel(q.device[1], *spec_args, score and score.spec)
@@ -287,6 +310,9 @@ def _launch(
     heads_q, heads_k = q.shape[1], k.shape[1]
     struct.pack_into("<4i", buffer, _SIZES, q.shape[2], k.shape[2], heads_q, heads_q // heads_k)
     struct.pack_into("<f", buffer, _SCALE, scale)
+    if work is not None:
+        struct.pack_into("<Q", buffer, _WORK, work.data.ptr)
+        struct.pack_into("<i", buffer, _WORK_COUNT, work.size)
     params = np.ndarray((), build.PARAMS, buffer=buffer)
     function(grid, block, (params[()], *maps), shared_mem=shared)
 
@@ -322,9 +348,16 @@ def forward(
     with cupy.cuda.Device(device), _stream(q.stream):
         score = score_tables(score_mod, device)
         tables, tiles = _tiled_tables(kernel, layout, q.shape[3], device, score, tiles)
-        grid = (tables.plan.tiles_q, heads_q, batch)
-        maps = _maps(tiles[0], tiles[1], q=q, k=k, v=v) if kernel == "forward_sm90" else ()
-        _launch(kernel, grid, tables, score, scale, tiles, maps, q=q, k=k, v=v, out=out, lse=lse)
+        arrays = dict(q=q, k=k, v=v, out=out, lse=lse)
+        if kernel == "forward_sm90":  # persistent: one CTA per SM walks its part of the schedule
+            ctas = min(batch * heads_q * tables.plan.tiles_q, sm_count(device))
+            # Two items per SM to a group: the rows in flight at once come from a few heads.
+            work = tables.work(batch, heads_q, ctas, 2 * sm_count(device))
+            grid = (ctas, 1, 1)
+            maps = _maps(tiles[0], tiles[1], q=q, k=k, v=v)
+            _launch(kernel, grid, tables, score, scale, tiles, maps, work, **arrays)
+        else:
+            _launch(kernel, (tables.plan.tiles_q, heads_q, batch), tables, score, scale, tiles, **arrays)
 
 
 def backward(

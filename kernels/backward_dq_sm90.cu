@@ -51,7 +51,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             sh.q_full.expect_bytes(2 * Q_BYTES);
             tma_load_tile(sh.q, q_map, sh.q_full, tile_q * TILE_M, h, b);
             tma_load_tile(sh.dout, do_map, sh.q_full, tile_q * TILE_M, h, b);
-            stream_kv<TILE_N>(p, span, h / p.group, b, sh.k, sh.v, k_map, v_map, sh.k_ring, sh.v_ring);
+            stream_kv<TILE_N>(p, span, h / p.group, b, sh.k, sh.v, k_map, v_map, sh.k_ring, sh.v_ring, 0);
         }
         return;
     }

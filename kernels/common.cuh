@@ -83,6 +83,8 @@ struct Params {
     long long score_ip[8];                      // SI0..SI7 of the score mod
     float score_fp[8];                          // SF0..SF7
     const void* score_a[4];                     // SA0..SA3 (the expression casts them to their element type)
+    const int* work;                            // persistent passes: (batch, head, tile) items, heaviest first
+    int work_count;
 };
 
 // The layout's (batch, head) line for batch b, query head h: a shared layout has one line for all of them.
@@ -102,6 +104,14 @@ __device__ __forceinline__ Span row_span(const Params& p, int b, int h, int tile
 __device__ __forceinline__ Span column_span(const Params& p, int b, int h, int tile_k) {
     const int line = layout_line(p, b, h) * p.tiles_k + tile_k;
     return {p.col_ptr[line], p.col_ptr[line + 1] - p.col_ptr[line]};
+}
+
+// A persistent pass's work item: item = (b * heads_q + h) * tiles + tile, as cuda.py's work list holds them.
+struct WorkItem {
+    int tile, h, b;
+};
+__device__ __forceinline__ WorkItem work_item(const Params& p, int item, int tiles) {
+    return {item % tiles, (item / tiles) % p.heads_q, item / (tiles * p.heads_q)};
 }
 
 // The query tile of a CTA of the row-walking passes (grid: query tiles, query heads, batch elements): the

@@ -2,7 +2,8 @@
 not by pytest).
 
 Each case covers one path of the kernel: full tiles, C-expression masks, bit masks, empty rows, ragged
-lengths, GQA, [B, S, H, D] strides, head dims that are padded (40) or kept in shared memory (256).
+lengths, GQA, [B, S, H, D] strides, head dims that are padded (40) or kept in shared memory (256), and
+persistent kernels' CTAs that take many work items in turn.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import numpy as np
 import torch
 
 import cusparseattn as ca
-from cusparseattn import BlockLayout, TokenRule, patterns
+from cusparseattn import BlockLayout, TokenRule, cuda, patterns
 
 
 def random_layout(seq: int) -> BlockLayout:
@@ -31,6 +32,8 @@ CASES = [
 
 
 def main() -> None:
+    # Two SMs' worth of persistent CTAs: each walks many work items, reusing its buffers and barriers.
+    cuda.sm_count = lambda device: 2
     for name, dtype, dim, group, seq, pattern in CASES:
         layout = random_layout(seq) if pattern is None else pattern.layout(seq)
         q = torch.randn(2, seq, 4, dim, device="cuda", dtype=dtype).transpose(1, 2)

@@ -17,6 +17,7 @@ from cusparseattn import build, cuda, mods, patterns, tma
 class FakeDeviceArray:
     def __init__(self, host):
         self.host = np.asarray(host)
+        self.size = self.host.size
         self.data = types.SimpleNamespace(ptr=id(self))
 
 
@@ -49,6 +50,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(cuda, "_scores", {})
     monkeypatch.setattr(cuda, "compute_capability", lambda device: 80)
     monkeypatch.setattr(cuda, "max_shared", lambda device: 227 * 1024)
+    monkeypatch.setattr(cuda, "sm_count", lambda device: 132)
     monkeypatch.delenv("CUSPARSEATTN_HOPPER", raising=False)
     encoded, record = [], []
 
@@ -154,17 +156,27 @@ def _forward(head_dim, seq=300, **kwargs):
         Holder((2, 2, seq, head_dim)),
     )
     out, lse = Holder((2, 4, seq, head_dim)), Holder((2, 4, seq), dtype="float32")
-    cuda.forward(q, k, v, out, lse, patterns.causal(block=64).layout(seq), 0.1)
+    layout = patterns.causal(block=64).layout(seq)
+    cuda.forward(q, k, v, out, lse, layout, 0.1)
+    return layout  # its device tables live as long as it does
 
 
-@pytest.mark.parametrize("head_dim", build.HOPPER_HEAD_DIMS)
-def test_hopper_gpus_run_the_hopper_forward_with_three_tma_maps(launches, monkeypatch, head_dim):
+@pytest.mark.parametrize(("head_dim", "sms"), [(64, 132), (128, 132), (128, 5)])
+def test_hopper_gpus_run_the_hopper_forward_with_three_tma_maps(launches, monkeypatch, head_dim, sms):
     monkeypatch.setattr(cuda, "compute_capability", lambda device: 90)
-    _forward(head_dim)
+    monkeypatch.setattr(cuda, "sm_count", lambda device: sms)
+    layout = _forward(head_dim)
     ((name, grid, (threads, _, _), args, shared, maps),) = launches
     nargs = len(args)
     assert name.startswith(f"forward_sm90_bf16_d{head_dim}_q128k128w12") and threads == 384
-    assert grid == (3, 4, 2) and nargs == 4  # 300 rows in tiles of 128; the parameters, then q, k, v maps
+    # Persistent: 300 rows in tiles of 128, 4 heads, 2 batch elements are 24 items, one CTA per SM at most.
+    assert grid == (min(24, sms), 1, 1) and nargs == 4  # the parameters, then q, k, v maps
+    (tables,) = cuda._tables[id(layout)].values()
+    work = tables.work(2, 4, min(24, sms), 2 * sms)  # the schedule plan.work_order deals (test_plan)
+    assert args[0]["work"] == work.data.ptr and args[0]["work_count"] == work.size
+    assert sorted(work.host[work.host >= 0]) == list(range(24)) and work.size % grid[0] == 0
+    if sms == 132:  # one item per CTA, in the order dealt: the last query tile of each line first
+        assert list(work.host % 3) == [2] * 8 + [1] * 8 + [0] * 8
     assert shared == build.shared_bytes("forward_sm90", head_dim, (128, 128, 12))
     panels = head_dim // 64
     # q, k, v in that order: [B, H, S, D] as (64, S, D / 64, H, B), boxes of 128 rows.

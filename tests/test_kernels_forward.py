@@ -117,3 +117,20 @@ def test_both_kernels_of_a_hopper_gpu(hopper, kind, head_dim, dtype, monkeypatch
     q, k, v = random_qkv(rng, 2, 4, 2, 300, 333, head_dim, np_dtype(dtype), "bshd")
     assert_matches(q, k, v, layout_for(kind, rng, 2, 4, 300, 333, 64), dtype)
     assert launched == ["forward_sm90" if hopper else "forward"]
+
+
+@pytest.mark.parametrize("sms", [1, 5])
+@pytest.mark.parametrize("kind", ["causal", "random"])
+def test_the_persistent_hopper_forward_walks_many_items_per_cta(sms, kind, monkeypatch):
+    """On a GPU of few SMs (sm_count patched), each CTA of the Hopper forward takes many items in turn, with
+    empty rows among them: its rings, Q buffer and turns carry on from item to item."""
+    from cusparseattn import cuda
+
+    launched = hopper_path(monkeypatch, True)
+    monkeypatch.setattr(cuda, "sm_count", lambda device: sms)
+    rng = np.random.default_rng(sms)
+    q, k, v = random_qkv(rng, 2, 4, 2, 700, 650, 128, np_dtype("bfloat16"), "bhsd")
+    # Blocks of 128, the kernel's tiles: the random layout's empty row of blocks is an empty item.
+    layout = layout_for(kind, rng, 2, 4, 700, 650, 128)
+    assert_matches(q, k, v, layout, "bfloat16")
+    assert launched == ["forward_sm90"]

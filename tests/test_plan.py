@@ -116,3 +116,49 @@ def test_empty_layout_rows_have_no_entries():
     blocks[2] = False
     p = plan.build(BlockLayout(blocks, block_size=64, seq_q=256), 64, 64)
     assert p.row_ptr[3] == p.row_ptr[2]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    layout_lines=st.sampled_from([(1, 1), (1, 3), (2, 1), (2, 3)]),
+    tiles_q=st.integers(1, 9),
+    ctas=st.integers(1, 20),
+    group_items=st.integers(1, 60),
+    seed=st.integers(0, 2**31),
+)
+def test_work_order_deals_every_row_once_heaviest_first_in_groups(
+    layout_lines, tiles_q, ctas, group_items, seed
+):
+    """The persistent kernels' schedule: each (b, h, tile) of the call once (empty rows too), CTA c's items at
+    c, c + ctas, ... up to a -1. Read in the order they were dealt (by the time each CTA, taking its
+    items in turn, would start them), the items come in groups of whole (b, h) lines of at least
+    `group_items` items, and inside a group rows with more key tiles first. Each went to a CTA that would be
+    free first. A layout of one batch element or head serves them all."""
+    batch, heads = 2, 3
+    lb, lh = layout_lines
+    blocks = np.random.default_rng(seed).random((lb, lh, tiles_q, 5)) < 0.4
+    p = plan.build(BlockLayout(blocks, block_size=64, seq_q=64 * tiles_q, seq_k=64 * 5), 64, 64)
+    work = plan.work_order(p, lb, lh, batch, heads, ctas, group_items)
+    items = batch * heads * tiles_q
+    used = min(ctas, items)
+    assert work.dtype == np.int32 and work.size % used == 0
+    table = work.reshape(-1, used)
+    for column in table.T:  # a CTA's items, then only -1
+        n = int((column >= 0).sum())
+        assert (column[:n] >= 0).all() and (column[n:] == -1).all()
+    assert sorted(work[work >= 0]) == list(range(items))
+
+    tile, line = np.arange(items) % tiles_q, np.arange(items) // tiles_q
+    counts = blocks.sum(axis=3)[line // heads % lb, line % heads % lh, tile]
+    cost = counts + plan.ITEM_COST
+    start, finish = {}, np.zeros(used, np.int64)
+    for row in table:
+        for c, item in enumerate(row):
+            if item >= 0:
+                start[int(item)] = (int(finish[c]), c)
+                finish[c] += cost[item]
+    dealt = sorted(start, key=start.get)  # ties as the deal broke them: the lower CTA first
+    group = line[dealt] // -(-group_items // tiles_q)
+    assert (np.diff(group) >= 0).all()
+    heavier_first = counts[dealt][:-1] >= counts[dealt][1:]
+    assert (heavier_first | (np.diff(group) > 0)).all()
