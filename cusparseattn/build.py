@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import env
+from .layout import narrowable
 
 log = logging.getLogger("cusparseattn")
 
@@ -141,7 +142,7 @@ PARAMS = np.dtype(
         ("rule_p", np.int64, (8,)), ("rule_a", np.uint64, (4,)),
         ("q_origin", np.int64), ("k_origin", np.int64),
         ("score_ip", np.int64, (8,)), ("score_fp", np.float32, (8,)), ("score_a", np.uint64, (4,)),
-        ("work", np.uint64), ("work_count", np.int32),
+        ("work", np.uint64), ("work_count", np.int32), ("rule_narrow", np.int32),
     ],
     align=True,
 )  # fmt: skip
@@ -284,7 +285,8 @@ def _wgmma_functions(ns: list[int], types: str) -> list[str]:
 
 def _rule_defines(expr: str) -> list[str]:
     return [
-        *(f"#define P{i} (p.rule_p[{i}])" for i in range(8)),
+        f"#define RULE_NARROWABLE {int(narrowable(expr))}",
+        *(f"#define P{i} (static_cast<RuleInt>(p.rule_p[{i}]))" for i in range(8)),
         *(f"#define A{i} (p.rule_a[{i}])" for i in range(4)),
         f"#define CSA_RULE(b, h, q, k) ({expr})",
     ]

@@ -153,6 +153,8 @@ class DeviceTables:
         for name in ("sub_q_shift", "sub_k_shift", "sub_k_count"):
             base[name] = getattr(p, name)
         self.rule_arrays = _set_rule(base, rule)
+        # Kernels evaluate whole tiles, up to a tile (at most 256 tokens) past a sequence's end.
+        base["rule_narrow"] = rule is not None and rule.narrow(max(layout.seq_q, layout.seq_k) + 256)
         base["q_origin"], base["k_origin"] = layout.origin
         # As bytes: a launch starts from a copy of them (copying a NumPy struct costs 30 us).
         self.params = base.tobytes()

@@ -27,17 +27,29 @@ import numpy as np
 
 MIN_BLOCK, MAX_BLOCK = 16, 128
 MAX_PARAMS, MAX_ARRAYS = 8, 4  # the P0..P7 and A0..A3 slots a rule's C expression may use
+# What TokenRule.narrow lets through: names, numbers, and operators that neither multiply nor shift.
+_NARROW_TOKENS = re.compile(r"[A-Za-z_]\w*|\d+|&&|\|\||<<|>>|[<>=!]=|[-+/%<>!?:()\[\]]")
+_NARROW_NAME = re.compile(r"[bhqk]|P[0-7]|A[0-3]|true|false")
+
+
+def narrowable(expr: str) -> bool:
+    """Whether a rule's C expression only adds, subtracts, divides and compares its names, parameters, array
+    elements and literals (no products, shifts, casts or calls): then its value is bounded by its terms', and
+    the kernels compile it for 32-bit integers as well (TokenRule.narrow decides at run time)."""
+    tokens = _NARROW_TOKENS.findall(expr)
+    unknown = [t for t in tokens if t in ("<<", ">>") or t.isidentifier() and not _NARROW_NAME.fullmatch(t)]
+    return not unknown and "".join(tokens) == re.sub(r"\s+", "", expr)
 
 
 @dataclass(frozen=True, eq=False)
 class TokenRule:
     """A token-level attention rule, vectorised: ``fn(b, h, q, k) -> bool array``.
 
-    ``b, h, q, k`` are integer arrays that broadcast against each other (absolute batch, query-head, query
-    and key indices). ``c_expr`` is the same rule as a C expression over ``b, h, q, k`` (``long long``), the
-    run-time integer parameters ``P0..P7`` (values in ``params``) and the captured ``const int*`` arrays
-    ``A0..A3`` (values in ``arrays``): kernels compile the expression, so new parameter values never
-    recompile. A rule with no ``c_expr`` reaches the kernels as a bit mask per partial tile.
+    ``b, h, q, k`` are integer arrays that broadcast against each other (absolute batch, query-head, query and
+    key indices). ``c_expr`` is the same rule as a C expression over ``b, h, q, k`` (``long long``, or ``int``
+    where `narrow` allows), the run-time integer parameters ``P0..P7`` (values in ``params``) and the captured
+    ``const int*`` arrays ``A0..A3`` (values in ``arrays``): kernels compile the expression, so new parameter
+    values never recompile. A rule with no ``c_expr`` reaches the kernels as a bit mask per partial tile.
 
     ``c_partial``, where given, is a cheaper expression with the same parameters that is exact only inside
     the partial blocks of the layout built with the rule (and of its windows and sub-layouts): kernels
@@ -62,6 +74,21 @@ class TokenRule:
     def kernel_expr(self) -> str | None:
         """The C expression that the attention kernels compile."""
         return self.c_partial or self.c_expr
+
+    def narrow(self, positions: int) -> bool:
+        """Whether `kernel_expr` stays exact in 32-bit integers (the kernels then use them: half the
+        instructions) for positions below `positions`: it is `narrowable`, and as many terms as it names, each
+        at most the largest position, parameter, literal or array value, add up to less than 2^31."""
+        expr = self.kernel_expr
+        if expr is None or not narrowable(expr):
+            return False
+        terms = [t for t in _NARROW_TOKENS.findall(expr) if t[0].isalnum()]
+        largest = max(
+            [positions, *(abs(int(x)) for x in self.params)]
+            + [int(t) for t in terms if t.isdigit()]
+            + [int(np.abs(a).max(initial=0)) for a in self.arrays]
+        )
+        return len(terms) * largest < 2**31
 
     @property
     def structure(self) -> tuple:

@@ -5,6 +5,8 @@
 // stops early once it has seen both answers. The builder defines CSA_RULE(b, h, q, k) and P0..P7, A0..A3.
 #include "rule.cuh"
 
+using RuleInt = long long;  // the type of P0..P7 here (the attention kernels may take int)
+
 struct MaskParams {
     unsigned char* any;  // [batch, heads, blocks_q, blocks_k]
     unsigned char* all;

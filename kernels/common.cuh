@@ -85,6 +85,7 @@ struct Params {
     const void* score_a[4];                     // SA0..SA3 (the expression casts them to their element type)
     const int* work;                            // persistent passes: (batch, head, tile) items, heaviest first
     int work_count;
+    int rule_narrow;                            // RULE_EXPR: evaluate the rule in int (cuda.py: rule_narrow)
 };
 
 // The layout's (batch, head) line for batch b, query head h: a shared layout has one line for all of them.
@@ -406,6 +407,17 @@ __device__ __forceinline__ void finish_rows(const Params& p, const OnlineSoftmax
 }
 
 // ---- token mask of a partial tile ---------------------------------------------------------------------------
+#if RULE_MODE == RULE_EXPR
+// The rule at one token pair in RuleInt arithmetic (the builder's P0..P7 take that type too): long long, or
+// int where the expression allows it (RULE_NARROWABLE: sums and comparisons) and the host found its values
+// small enough to stay exact (Params::rule_narrow), which halves its instructions.
+template <typename RuleInt>
+__device__ __forceinline__ bool rule_at(const Params& p, int b, int h, int q, int k) {
+    return CSA_RULE(static_cast<RuleInt>(b), static_cast<RuleInt>(h), static_cast<RuleInt>(q),
+                    static_cast<RuleInt>(k));
+}
+#endif
+
 // Whether query q0 + qi sees key k0 + ki, for tile-local (qi, ki) of the partial tile `pidx` whose sub-block
 // bits are `sub` (ignored in RULE_BITS mode).
 __device__ __forceinline__ bool visible(const Params& p, int pidx, const ulonglong2& sub, int b, int h, int q0,
@@ -421,8 +433,7 @@ __device__ __forceinline__ bool visible(const Params& p, int pidx, const ulonglo
     bool ok = kc < p.seq_k && ((sub.x >> bit) & 1ull);
 #if RULE_MODE == RULE_EXPR
     // The rule decides only inside partial blocks; full blocks of the same tile attend whole.
-    ok = ok && (!((sub.y >> bit) & 1ull) ||
-                CSA_RULE((long long)b, (long long)h, (long long)(q0 + qi), (long long)kc));
+    ok = ok && (!((sub.y >> bit) & 1ull) || rule_at<long long>(p, b, h, q0 + qi, kc));
 #endif
     return ok;
 #endif
@@ -465,10 +476,15 @@ __device__ __forceinline__ unsigned long long mask_bits(const Params& p, int pid
     // they cost several times the rule's own arithmetic.
     const int cells = (TILE_M >> p.sub_q_shift) * p.sub_k_count;
     const unsigned long long all = cells >= 64 ? ~0ull : (1ull << cells) - 1;
-    if (sub.x == all && sub.y == all && k0 + TILE_N <= p.seq_k)
-        return gather_bits<TRANSPOSED, COLS>(row0, lane, [&](int qi, int ki) {
-            return CSA_RULE((long long)b, (long long)h, (long long)(q0 + qi), (long long)(k0 + ki));
-        });
+    if (sub.x == all && sub.y == all && k0 + TILE_N <= p.seq_k) {
+#if RULE_NARROWABLE
+        if (p.rule_narrow)
+            return gather_bits<TRANSPOSED, COLS>(
+                row0, lane, [&](int qi, int ki) { return rule_at<int>(p, b, h, q0 + qi, k0 + ki); });
+#endif
+        return gather_bits<TRANSPOSED, COLS>(
+            row0, lane, [&](int qi, int ki) { return rule_at<long long>(p, b, h, q0 + qi, k0 + ki); });
+    }
 #endif
     return gather_bits<TRANSPOSED, COLS>(row0, lane,
                                          [&](int qi, int ki) { return visible(p, pidx, sub, b, h, q0, k0, qi, ki); });

@@ -38,11 +38,17 @@ def test_forward_matches_reference(case):
     assert_matches(q, k, v, layout, dtype)
 
 
+@pytest.mark.parametrize("narrow", [True, False], ids=["int", "long_long"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ["causal", "local", "strided", "strided_blocks", "document"])
-def test_builtin_rules_compile_as_expressions(name, dtype):
-    """The built-in patterns' rules reach the kernel as C expressions (no bit masks), and are right."""
-    from cusparseattn import plan
+def test_builtin_rules_compile_as_expressions(name, dtype, narrow, monkeypatch):
+    """The built-in patterns' rules reach the kernel as C expressions (no bit masks), and are right, in the
+    32-bit arithmetic that their values allow (TokenRule.narrow) and in 64-bit."""
+    from cusparseattn import TokenRule, cuda, plan
+
+    monkeypatch.setattr(cuda, "_tables", {})  # the device tables hold the choice: make them again
+    if not narrow:
+        monkeypatch.setattr(TokenRule, "narrow", lambda self, positions: False)
 
     rng = np.random.default_rng(7)
     seq = 777
@@ -55,6 +61,8 @@ def test_builtin_rules_compile_as_expressions(name, dtype):
     }[name]
     layout = pattern.layout(seq)
     assert plan.rule_mode(layout) == "expr", layout.rule
+    # A batch of documents indexes its ids by b * P0 + q: a product, which stays 64-bit.
+    assert layout.rule.narrow(seq + 256) == (narrow and name != "document")
     q, k, v = random_qkv(rng, 2, 2, 1, seq, seq, 64, np_dtype(dtype))
     assert_matches(q, k, v, layout, dtype)
 

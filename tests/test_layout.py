@@ -456,3 +456,23 @@ def test_128k_layout_builds_fast():
     elapsed = time.perf_counter() - start
     assert lay.num_blocks == (1024, 1024) and lay.nnz == 9 * 1024 - 36
     assert elapsed < 2.0, f"128k local layout took {elapsed:.2f} s to build and compress"
+
+
+def test_narrow_rules_are_sums_and_comparisons_of_small_values():
+    """TokenRule.narrow: 32-bit arithmetic only for expressions without products, casts or calls, whose terms
+    (positions, parameters, literals, array values), as many as the expression names, sum below 2^31."""
+
+    def rule(expr, params=(), arrays=()):
+        return TokenRule("r", lambda b, h, q, k: q == q, c_expr=expr, params=params, arrays=arrays)
+
+    assert rule("k <= q + P0", (5,)).narrow(1 << 20)
+    assert not rule("k <= q + P0", (5,)).narrow(1 << 30)  # three terms of 2^30
+    assert not rule("k <= q + P0", (1 << 30,)).narrow(100)
+    assert rule("q / P0 - k / P0 <= P1 && A0[q] != 0", (64, 2), (np.arange(10),)).narrow(1 << 20)
+    assert not rule("A0[q] == A0[k]", (), (np.array([0, 1 << 30]),)).narrow(100)
+    assert not rule("k <= q + 3000000000").narrow(10)
+    for expr in ("q * 2 <= k", "csa::floormod(k, P0) == 0", "(long long)q <= k", "q << 1 <= k", "k <= 1ll"):
+        assert not rule(expr, (3,)).narrow(100), expr
+    assert not TokenRule("r", lambda b, h, q, k: q == q).narrow(100)  # no C expression at all
+    # The kernels compile c_partial where there is one: that is the expression judged.
+    assert TokenRule("r", lambda b, h, q, k: q == q, c_expr="q * k == 0", c_partial="k <= q").narrow(100)
