@@ -287,6 +287,8 @@ class BlockLayout:
         The token masks are compared by evaluating both layouts inside every block that is partial in either
         of them, so two layouts with different rule objects but the same mask are equal.
         """
+        if other is self:  # the weak-keyed caches compare a layout with itself on every lookup
+            return True
         if not isinstance(other, BlockLayout):
             return NotImplemented
         if (self.seq_q, self.seq_k, self.block_size, self.origin) != (
