@@ -32,7 +32,9 @@ STAGES = [
     ("cuda", "hopper_reasons"),
     ("cuda", "_tiled_tables"),
     ("cuda", "_maps"),
-    ("cuda", "_launch"),
+    ("backends", "CudaBackend.prepare_backward"),
+    ("backends", "_CudaPrepared.run"),
+    ("cuda", "_Pass.launch"),
 ]
 
 

@@ -159,8 +159,46 @@ class Backend:
         """``(dq, dk, dv)`` holders in the inputs' framework and device."""
         raise NotImplementedError
 
+    def prepare_backward(self, inputs: Inputs) -> PreparedBackward | None:
+        """The backward over ``inputs`` (q, k, v, out and lse; dout comes later) with its work that does not
+        need dout done now, or None where this backend has nothing to do ahead (the default)."""
+        return None
+
     def __repr__(self) -> str:
         return f"<backend {self.name!r}>"
+
+
+class PreparedBackward:
+    """A backward made ready before its dout exists (`Backend.prepare_backward`): ``run(dout)`` gives the
+    ``(dq, dk, dv)`` holders when ``accepts(dout)``; a dout that it does not accept goes the usual way,
+    through validation and backend selection. It holds no array of the forward: saved-tensor hooks may
+    move those."""
+
+    def accepts(self, dout: Tensor) -> bool:
+        raise NotImplementedError
+
+    def run(self, dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        raise NotImplementedError
+
+
+class _CudaPrepared(PreparedBackward):
+    def __init__(self, launch):
+        self._launch = launch
+
+    def accepts(self, dout):
+        return self._launch.accepts(dout)
+
+    def run(self, dout):
+        import cupy
+
+        launch = self._launch
+        q_shape, k_shape, dtype = launch.shape, launch.k_shape, launch.dtype
+        with cupy.cuda.Device(launch.device):
+            dq, dk, dv = dout.empty(q_shape, dtype), dout.empty(k_shape, dtype), dout.empty(k_shape, dtype)
+            delta = dout.empty(q_shape[:3], "float32")
+            launch.run(dout, dq, dk, dv, delta)
+        dq.name, dk.name, dv.name = "dq", "dk", "dv"
+        return dq, dk, dv
 
 
 class CudaBackend(Backend):
@@ -229,6 +267,24 @@ class CudaBackend(Backend):
             cuda.backward(*saved, dq, dk, dv, delta, inputs.layout, inputs.scale, score_mod=inputs.score_mod)
         dq.name, dk.name, dv.name = "dq", "dk", "dv"
         return dq, dk, dv
+
+    def prepare_backward(self, inputs):
+        import cupy
+
+        cuda = self._module()
+        q, k = inputs.q, inputs.k
+        with cupy.cuda.Device(q.device[1]):
+            launch = cuda.Backward(
+                q,
+                k,
+                inputs.v,
+                inputs.out,
+                inputs.lse,
+                inputs.layout,
+                inputs.scale,
+                score_mod=inputs.score_mod,
+            )
+        return _CudaPrepared(launch)
 
 
 class ReferenceBackend(Backend):
@@ -467,8 +523,9 @@ def _check_op(op: str) -> None:
         raise ValueError(f"op must be 'forward' or 'backward', got {op!r}")
 
 
-def _choose(inputs: Inputs, op: str, backend) -> tuple[Backend, dict[str, list[str]]]:
-    """The backend that runs ``op`` on ``inputs``, and the reasons of the enabled ones it passed over."""
+def choose(inputs: Inputs, op: str, backend) -> tuple[Backend, dict[str, list[str]]]:
+    """The backend that runs ``op`` on ``inputs``, and the reasons of the enabled ones it passed over; as
+    `select`, without its warning."""
     _check_op(op)
     registered = BACKENDS
     if backend is not None:
@@ -500,7 +557,7 @@ def select(inputs: Inputs, op: str = "forward", backend=None) -> Backend:
     them to the host and the results back) and enabled backends ahead of it could not run, a RuntimeWarning
     names their reasons, once per distinct message.
     """
-    chosen, rejected = _choose(inputs, op, backend)
+    chosen, rejected = choose(inputs, op, backend)
     slow = chosen.slow_path(inputs) if rejected else None
     if slow is not None:
         _warn_fallback(slow, rejected)
@@ -570,7 +627,7 @@ def current_backend(
     >>> current_backend(q, k, v, causal=True)
     'reference'
     """
-    return _choose(_inputs_of(q, k, v, layout, op, causal, score_mod), op, None)[0].name
+    return choose(_inputs_of(q, k, v, layout, op, causal, score_mod), op, None)[0].name
 
 
 def _register_builtins() -> None:

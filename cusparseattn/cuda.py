@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import struct
+import threading
 import weakref
 
 import numpy as np
@@ -117,9 +118,12 @@ def hopper_reasons(q, k, v, dout=None) -> list[str]:
     if q.shape[3] not in build.HOPPER_HEAD_DIMS:
         return [f"the Hopper kernels take head dims {build.HOPPER_HEAD_DIMS}, got {q.shape[3]}"]
     named = (("q", q), ("k", k), ("v", v)) + ((("dout", dout),) if dout is not None else ())
+    return [reason for name, t in named for reason in _tma_reasons(name, t)]
+
+
+def _tma_reasons(name: str, t) -> list[str]:
     return [
         f"TMA cannot read {name}: {reason}"
-        for name, t in named
         for reason in tma.reasons(tuple(t.shape), tuple(t.strides), tma.ITEMSIZE, t.data_ptr % 16)
     ]
 
@@ -257,6 +261,21 @@ def _stream(handle: int):
     return _streams[handle]
 
 
+_bound = threading.local()
+
+
+def _bind(device: int) -> None:
+    """Makes the device's primary context current on this thread (once per thread and device). The runtime
+    binds it lazily, at its first call that needs one; the driver calls made here (TMA encoding, launches)
+    need it from the start, and a thread that PyTorch runs the backward on may not have made such a call."""
+    devices = _bound.__dict__.setdefault("devices", set())
+    if device not in devices:
+        import cupy
+
+        cupy.cuda.runtime.setDevice(device)  # inside `with Device(device)`: the device stays the current one
+        devices.add(device)
+
+
 def _offset(field: str) -> int:
     return build.PARAMS.fields[field][1]
 
@@ -284,39 +303,47 @@ def _kernel(device: int, *spec_args):
     return build.load(spec, device), (spec.threads, 1, 1), spec.shared_bytes
 
 
-def _launch(
-    kernel: str,
-    grid,
-    tables: DeviceTables,
-    score: ScoreTables | None,
-    scale: float,
-    tiles,
-    maps: tuple = (),
-    work=None,
-    **arrays,
-):
-    """Packs the parameters of one pass over these holders (named as `_FIELDS`) and launches it on q's
-    device and stream; `maps` (TMA descriptors) follow the parameters as kernel arguments. The struct is
-    written as bytes at known offsets: a cached call's host time is the budget (setting NumPy struct fields
-    one by one cost more than the launch). `work`: a persistent pass's device work list."""
-    q, k = arrays["q"], arrays["k"]
-    spec_args = (kernel, q.dtype, q.shape[3], tiles, tables.plan.rule_mode, tables.rule_expr)
-    function, block, shared = _kernel(q.device[1], *spec_args, score and score.spec)
-    buffer = bytearray(tables.params)
-    if score is not None:
-        buffer[_SCORE] = score.fields
+class _Pass:
+    """One launch of one kernel with some of its arrays (holders, named as `_FIELDS`) packed ahead: `launch`
+    packs the rest and launches on the current device and stream. The struct is written as bytes at known
+    offsets: a cached call's host time is the budget (setting NumPy struct fields one by one cost more than
+    the launch). `work`: a persistent pass's device work list."""
+
+    def __init__(
+        self, kernel: str, grid, tables: DeviceTables, score, scale: float, tiles, work=None, **arrays
+    ):
+        q, k = arrays["q"], arrays["k"]
+        self.kernel, self.grid, self.tiles = kernel, grid, tiles
+        spec_args = (kernel, q.dtype, q.shape[3], tiles, tables.plan.rule_mode, tables.rule_expr)
+        self.function, self.block, self.shared = _kernel(q.device[1], *spec_args, score and score.spec)
+        # The device arrays that the parameters point to live as long as this pass.
+        self._arrays = (tables, score, work)
+        buffer = bytearray(tables.params)
+        if score is not None:
+            buffer[_SCORE] = score.fields
+        _pack(buffer, arrays)
+        heads_q, heads_k = q.shape[1], k.shape[1]
+        struct.pack_into("<4i", buffer, _SIZES, q.shape[2], k.shape[2], heads_q, heads_q // heads_k)
+        struct.pack_into("<f", buffer, _SCALE, scale)
+        if work is not None:
+            struct.pack_into("<Q", buffer, _WORK, work.data.ptr)
+            struct.pack_into("<i", buffer, _WORK_COUNT, work.size)
+        self.params = bytes(buffer)
+
+    def launch(self, maps: tuple = (), **arrays) -> None:
+        """Launches over the arrays packed ahead and these; `maps` (TMA descriptors) follow the parameters
+        as kernel arguments."""
+        buffer = bytearray(self.params)
+        _pack(buffer, arrays)
+        params = np.ndarray((), build.PARAMS, buffer=buffer)
+        self.function(self.grid, self.block, (params[()], *maps), shared_mem=self.shared)
+
+
+def _pack(buffer: bytearray, arrays: dict) -> None:
     for name, holder in arrays.items():
         pointer, strides, ndim = _FIELDS[name]
         struct.pack_into("<Q", buffer, pointer, holder.data_ptr)
         struct.pack_into(f"<{ndim}q", buffer, strides, *holder.strides[:ndim])
-    heads_q, heads_k = q.shape[1], k.shape[1]
-    struct.pack_into("<4i", buffer, _SIZES, q.shape[2], k.shape[2], heads_q, heads_q // heads_k)
-    struct.pack_into("<f", buffer, _SCALE, scale)
-    if work is not None:
-        struct.pack_into("<Q", buffer, _WORK, work.data.ptr)
-        struct.pack_into("<i", buffer, _WORK_COUNT, work.size)
-    params = np.ndarray((), build.PARAMS, buffer=buffer)
-    function(grid, block, (params[()], *maps), shared_mem=shared)
 
 
 def _tiled_tables(kernel: str, layout: BlockLayout, head_dim: int, device: int, score, tiles=None):
@@ -348,6 +375,7 @@ def forward(
     device = q.device[1]
     kernel = "forward" if tiles or hopper_reasons(q, k, v) else "forward_sm90"
     with cupy.cuda.Device(device), _stream(q.stream):
+        _bind(device)
         score = score_tables(score_mod, device)
         tables, tiles = _tiled_tables(kernel, layout, q.shape[3], device, score, tiles)
         arrays = dict(q=q, k=k, v=v, out=out, lse=lse)
@@ -357,9 +385,10 @@ def forward(
             work = tables.work(batch, heads_q, ctas, 2 * sm_count(device))
             grid = (ctas, 1, 1)
             maps = _maps(tiles[0], tiles[1], q=q, k=k, v=v)
-            _launch(kernel, grid, tables, score, scale, tiles, maps, work, **arrays)
+            _Pass(kernel, grid, tables, score, scale, tiles, work, **arrays).launch(maps)
         else:
-            _launch(kernel, (tables.plan.tiles_q, heads_q, batch), tables, score, scale, tiles, **arrays)
+            grid = (tables.plan.tiles_q, heads_q, batch)
+            _Pass(kernel, grid, tables, score, scale, tiles, **arrays).launch()
 
 
 def backward(
@@ -370,25 +399,59 @@ def backward(
 
     Each gradient element is written once by one thread (no atomics): the results are bitwise reproducible.
     """
-    import cupy
+    Backward(q, k, v, out, lse, layout, scale, score_mod=score_mod, dout=dout).run(dout, dq, dk, dv, delta)
 
-    batch, heads_q, _, head_dim = q.shape
-    heads_k = k.shape[1]
-    device = q.device[1]
-    arrays = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, delta=delta)
-    hopper = not hopper_reasons(q, k, v, dout)
-    suffix = "_sm90" if hopper else ""
-    with cupy.cuda.Device(device), _stream(q.stream):
-        score = score_tables(score_mod, device)
-        tables, tiles = _tiled_tables("backward_dq" + suffix, layout, head_dim, device, score)
-        grid = (tables.plan.tiles_q, heads_q, batch)
-        maps = _maps(tiles[0], tiles[1], q=q, k=k, v=v, dout=dout) if hopper else ()
-        _launch("backward_dq" + suffix, grid, tables, score, scale, tiles, maps, dq=dq, **arrays)
-        tables, tiles = _tiled_tables("backward_dkdv" + suffix, layout, head_dim, device, score)
-        splits = 2 if head_dim > 128 else 1  # the dK/dV kernel's SPLITS: halves of the head dim past 128
-        grid = (tables.plan.tiles_k, heads_k * splits, batch)
-        maps = _maps(tiles[0], tiles[1], q=q, k=k, v=v, dout=dout) if hopper else ()
-        _launch("backward_dkdv" + suffix, grid, tables, score, scale, tiles, maps, dk=dk, dv=dv, **arrays)
+
+class Backward:
+    """The backward's two passes over q, k, v, out and lse, prepared ahead (tables, TMA descriptors, packed
+    parameters): `run` adds dout, the gradients and delta. PyTorch's autograd prepares it in the forward,
+    while the forward's kernel runs, so that the backward's host time before its first launch is short.
+
+    The Hopper passes read dout through TMA: without `dout` (not known yet) they are chosen for q, k and v,
+    and `accepts` tells whether a dout fits them.
+    """
+
+    def __init__(self, q, k, v, out, lse, layout: BlockLayout, scale: float, *, score_mod=None, dout=None):
+        import cupy
+
+        batch, heads_q, _, head_dim = q.shape
+        self.shape, self.k_shape, self.dtype, self.device = q.shape, k.shape, q.dtype, q.device[1]
+        self.hopper = not hopper_reasons(q, k, v, dout)
+        suffix = "_sm90" if self.hopper else ""
+        arrays = dict(q=q, k=k, v=v, out=out, lse=lse)
+        self.passes = []
+        with cupy.cuda.Device(self.device):
+            _bind(self.device)
+            score = score_tables(score_mod, self.device)
+            for kernel in ("backward_dq" + suffix, "backward_dkdv" + suffix):
+                tables, tiles = _tiled_tables(kernel, layout, head_dim, self.device, score)
+                if kernel.startswith("backward_dq"):
+                    grid = (tables.plan.tiles_q, heads_q, batch)
+                else:
+                    splits = (
+                        2 if head_dim > 128 else 1
+                    )  # the dK/dV kernel's SPLITS: halves of the head dim past 128
+                    grid = (tables.plan.tiles_k, k.shape[1] * splits, batch)
+                maps = _maps(tiles[0], tiles[1], q=q, k=k, v=v) if self.hopper else ()
+                self.passes.append((_Pass(kernel, grid, tables, score, scale, tiles, **arrays), maps))
+
+    def accepts(self, dout) -> bool:
+        """Whether the passes can take this dout holder: shaped and typed like q, on its device, and readable
+        by the kernels' copies."""
+        if (dout.shape, dout.dtype, dout.device) != (self.shape, self.dtype, ("cuda", self.device)):
+            return False
+        return not tensor_reasons(("dout", dout)) and not (self.hopper and _tma_reasons("dout", dout))
+
+    def run(self, dout, dq, dk, dv, delta) -> None:
+        import cupy
+
+        (dq_pass, dq_maps), (kv_pass, kv_maps) = self.passes
+        with cupy.cuda.Device(self.device), _stream(dout.stream):
+            _bind(self.device)
+            dout_map = (tma.tile_map(dout, dq_pass.tiles[0]),) if self.hopper else ()
+            dq_pass.launch(dq_maps + dout_map, dout=dout, delta=delta, dq=dq)
+            dout_map = (tma.tile_map(dout, kv_pass.tiles[0]),) if self.hopper else ()
+            kv_pass.launch(kv_maps + dout_map, dout=dout, delta=delta, dk=dk, dv=dv)
 
 
 def _maps(tile_m: int, tile_n: int, **arrays) -> tuple:

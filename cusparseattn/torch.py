@@ -38,7 +38,7 @@ import weakref
 import torch
 
 from . import api, backends
-from .arrays import FixedTensor, torch_device, torch_dtype_name
+from .arrays import FixedTensor, TorchTensor, torch_device, torch_dtype_name
 
 
 class _Registry:
@@ -253,8 +253,7 @@ def _outputs_of(q, k, v, layout, score_mod, scale: float, backend) -> tuple[torc
 
 def _gradients(dout, q, k, v, out, lse, layout, score_mod, scale: float, backend):
     """``(dq, dk, dv)``, contiguous, from ``dout``, the gradient of the loss with respect to ``out``."""
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()  # e.g. the stride-0 ones that out.sum().backward() sends
+    dout = _last_contiguous(dout)
     inputs = api._prepare(
         q, k, v, layout, causal=False, scale=scale, dout=dout, out=out, lse=lse, score_mod=score_mod
     )
@@ -288,6 +287,7 @@ class _Attention(torch.autograd.Function):
         ctx.layout, ctx.score_mod, ctx.scale = inputs.layout, inputs.score_mod, inputs.scale
         ctx.backend, ctx.recompute = backend, recompute
         ctx.save_for_backward(*((q, k, v) if recompute else (q, k, v, out, lse)))
+        ctx.prepared = None if recompute else _Prepared.make(inputs, out, lse, backend)
         return out, lse
 
     @staticmethod
@@ -295,11 +295,61 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         if dout is None:  # an undefined gradient of out (torch.autograd.grad may pass one): no gradients
             return None, None, None, None, None, None, None
+        dout = _last_contiguous(dout)
         q, k, v, *saved = ctx.saved_tensors
-        args = (ctx.layout, ctx.score_mod, ctx.scale, ctx.backend)
-        if ctx.recompute:
-            saved = _outputs_of(q, k, v, *args)
-        return *_gradients(dout, q, k, v, *saved, *args), None, None, None, None
+        grads = ctx.prepared and ctx.prepared.gradients(dout, (q, k, v, *saved))
+        if not grads:
+            args = (ctx.layout, ctx.score_mod, ctx.scale, ctx.backend)
+            if ctx.recompute:
+                saved = _outputs_of(q, k, v, *args)
+            grads = _gradients(dout, q, k, v, *saved, *args)
+        return *grads, None, None, None, None
+
+
+class _Prepared:
+    """Eager mode's backward, prepared in the forward while its kernel runs (`Backend.prepare_backward`):
+    the backward, which PyTorch runs on its autograd thread, then goes from dout to its first launch without
+    validating and choosing again. It is used when autograd hands back the tensors it was prepared for (a
+    saved-tensor hook may hand back others) and the backend accepts dout; otherwise the backward takes the
+    usual path. The backend is chosen under the forward's `use_backends`."""
+
+    def __init__(self, prepared: backends.PreparedBackward, tensors):
+        self.prepared, self.saved = prepared, _identities(tensors)
+
+    @classmethod
+    def make(cls, inputs: backends.Inputs, out: torch.Tensor, lse: torch.Tensor, backend) -> _Prepared | None:
+        # out stands in for dout, which will have its shape, dtype and device: `accepts` checks the rest.
+        held = {
+            "out": TorchTensor(out, "out"),
+            "lse": TorchTensor(lse, "lse"),
+            "dout": TorchTensor(out, "dout"),
+        }
+        backward = backends.Inputs(
+            inputs.q, inputs.k, inputs.v, inputs.layout, inputs.scale, score_mod=inputs.score_mod, **held
+        )
+        try:
+            chosen, _ = backends.choose(backward, "backward", backend)
+        except ValueError:  # the backward raises it, with its own arguments
+            return None
+        prepared = chosen.prepare_backward(backward)
+        natives = (inputs.q.native, inputs.k.native, inputs.v.native, out, lse)
+        return None if prepared is None else cls(prepared, natives)
+
+    def gradients(self, dout: torch.Tensor, tensors) -> tuple | None:
+        if _identities(tensors) != self.saved:
+            return None
+        holder = TorchTensor(dout, "dout")
+        return _outputs(self.prepared.run(holder)) if self.prepared.accepts(holder) else None
+
+
+def _identities(tensors) -> tuple:
+    """Where each tensor's memory is and how it is laid out: equal for the same memory seen the same way."""
+    return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+
+
+def _last_contiguous(dout: torch.Tensor) -> torch.Tensor:
+    # e.g. the stride-0 ones that out.sum().backward() sends
+    return dout if dout.stride(-1) == 1 else dout.contiguous()
 
 
 # ---- the operators -----------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import types
 
 import numpy as np
@@ -43,8 +44,12 @@ def launches(monkeypatch):
     fake.cuda = types.SimpleNamespace(
         Device=lambda device: contextlib.nullcontext(),
         Stream=types.SimpleNamespace(null=contextlib.nullcontext()),
+        runtime=types.SimpleNamespace(setDevice=lambda device: bound.append(device)),
     )
+    bound = []
     monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(cuda, "_bound", threading.local())
+    fake.bound = bound  # the devices whose context a launch made current, in order
     monkeypatch.setattr(cuda, "_streams", {})
     monkeypatch.setattr(cuda, "_tables", {})
     monkeypatch.setattr(cuda, "_scores", {})
@@ -52,17 +57,19 @@ def launches(monkeypatch):
     monkeypatch.setattr(cuda, "max_shared", lambda device: 227 * 1024)
     monkeypatch.setattr(cuda, "sm_count", lambda device: 132)
     monkeypatch.delenv("CUSPARSEATTN_HOPPER", raising=False)
-    encoded, record = [], []
+    geometry, record = {}, []  # a stand-in descriptor's bytes -> the geometry it was encoded for
 
     def encode(data_ptr, shape, strides, dtype, rows):
-        encoded.append(tma.geometry(shape, strides, tma.ITEMSIZE, rows))
-        return np.zeros((), tma.TENSOR_MAP)[()]
+        descriptor = np.zeros(1, tma.TENSOR_MAP)
+        descriptor.view(np.uint64)[0] = len(geometry) + 1
+        geometry[descriptor.tobytes()] = tma.geometry(shape, strides, tma.ITEMSIZE, rows)
+        return descriptor[0]
 
     monkeypatch.setattr(tma, "_tile_map", encode)
 
     def load(spec, device):
         def function(grid, block, args, shared_mem):
-            maps, encoded[:] = list(encoded), []
+            maps = [geometry[m.tobytes()] for m in args[1:]]
             record.append((spec.name, grid, block, args, shared_mem, maps))
 
         return function
@@ -219,3 +226,34 @@ def test_hopper_backward_passes_take_query_and_key_tiles_of_their_own(launches, 
     # q, k, v, dout: the dQ pass reads 128 query rows and 64 keys a tile, the dK/dV pass 64 and 128.
     assert [m[2][1] for m in dq_maps] == [128, 64, 64, 128]
     assert [m[2][1] for m in kv_maps] == [64, 128, 128, 64]
+
+
+@pytest.mark.parametrize("hopper", [True, False])
+def test_a_backward_prepared_ahead_launches_what_the_backward_launches(launches, monkeypatch, hopper):
+    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90 if hopper else 80)
+    seq, dim = 300, 64
+    q, dout, out, dq = (Holder((2, 4, seq, dim), address=0x100000 * (i + 1)) for i in range(4))
+    k, v, dk, dv = (Holder((2, 2, seq, dim), address=0x1000000 * (i + 1), pad=8) for i in range(4))
+    lse, delta = (Holder((2, 4, seq), dtype="float32", address=0x10000000 * (i + 1)) for i in range(2))
+    layout = patterns.causal(block=64).layout(seq)
+    cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, delta, layout, 0.1)
+    direct = [(name, grid, args[0].tobytes(), maps) for name, grid, _, args, _, maps in launches]
+    launches.clear()
+    ready = cuda.Backward(q, k, v, out, lse, layout, 0.1)
+    assert launches == [] and ready.hopper == hopper and ready.accepts(dout)
+    ready.run(dout, dq, dk, dv, delta)
+    assert [(name, grid, args[0].tobytes(), maps) for name, grid, _, args, _, maps in launches] == direct
+    # What it refuses goes the usual way: another shape or dtype, an address the copies cannot read.
+    assert not ready.accepts(Holder((2, 4, seq + 1, dim)))
+    assert not ready.accepts(Holder((2, 4, seq, dim), dtype="float16"))
+    assert not ready.accepts(Holder((2, 4, seq, dim), address=0x100008))
+
+
+def test_each_thread_makes_the_device_context_current_before_its_first_launch(launches):
+    """A thread that PyTorch starts (its autograd threads) may have no current context: the first launch on
+    each thread binds the device's, once."""
+    thread = threading.Thread(target=lambda: (_forward(64), _forward(64)))
+    thread.start()
+    thread.join()
+    _forward(64)
+    assert sys.modules["cupy"].bound == [0, 0] and len(launches) == 3

@@ -150,6 +150,62 @@ def test_eager_calls_skip_the_operators():
             torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+class PreparingReference(backends.ReferenceBackend):
+    """The reference under another name, whose backward the forward prepares (`Backend.prepare_backward`);
+    ``runs`` records which way each backward went."""
+
+    name, description = "preparing", "the reference, with a prepared backward"
+
+    def __init__(self):
+        self.runs = []
+
+    def prepare_backward(self, inputs):
+        backend = self
+
+        class Ready(backends.PreparedBackward):
+            def accepts(self, dout):
+                return dout.strides == inputs.out.strides
+
+            def run(self, dout):
+                backend.runs.append("prepared")
+                extra = {"dout": dout, "out": inputs.out, "lse": inputs.lse}
+                both = backends.Inputs(inputs.q, inputs.k, inputs.v, inputs.layout, inputs.scale, **extra)
+                return backends.ReferenceBackend.backward(backend, both)
+
+        return Ready()
+
+    def backward(self, inputs):
+        self.runs.append("usual")
+        return super().backward(inputs)
+
+
+@pytest.fixture
+def preparing():
+    backend = backends.register_backend(PreparingReference())
+    yield backend
+    backends.unregister_backend(backend.name)
+
+
+@pytest.mark.parametrize("how", ["prepared", "hook", "strided_dout", "recompute"])
+def test_eager_backward_runs_what_the_forward_prepared(preparing, how):
+    """The backward takes the prepared way when autograd hands back the saved tensors as they were and the
+    backend accepts dout; otherwise (a saved-tensor hook that copies, a dout it refuses, recompute) the usual
+    way. The gradients are the same either way."""
+    q, k, v = tensors(Sq=20, Sk=28)
+    layout = patterns.causal(block=16).layout(20, 28)
+    dout = torch.randn(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype).transpose(1, 2)
+    if how != "strided_dout":  # a [B, S, H, D] view, which this backend refuses
+        dout = dout.contiguous()
+    want = torch.autograd.grad(cusparseattn.attention(q, k, v, layout), (q, k, v), dout)
+    with torch.autograd.graph.saved_tensors_hooks(
+        torch.clone if how == "hook" else (lambda t: t), lambda t: t
+    ):
+        out = ca_torch.attention(q, k, v, layout, backend="preparing", recompute=how == "recompute")
+    for got, w in zip(torch.autograd.grad(out, (q, k, v), dout), want, strict=True):
+        torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12)
+    assert preparing.runs == ["prepared" if how == "prepared" else "usual"]
+
+
 def test_no_torch_tensor_is_named():
     q, k, v = tensors(requires_grad=False)
     with pytest.raises(TypeError, match="q must be a torch.Tensor, got numpy.ndarray"):
@@ -419,6 +475,33 @@ def test_cuda_forward_and_backward_match_the_reference(case, dtype, cuda_only):
     ref64, low = backward_refs(dout, *host, layout)
     for name, t, want, want_low in zip(("dq", "dk", "dv"), (q, k, v), ref64, low, strict=True):
         check_close(name, to_host(t.grad), want, want_low, dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hook", [False, True])
+def test_cuda_backward_is_prepared_in_the_forward(cuda_only, monkeypatch, hook):
+    """Eager training takes the backward that the forward prepared (unless a saved-tensor hook hands back
+    copies): the same kernels, so the same bits as the functional backward."""
+    usual, backward = [], backends.CudaBackend.backward
+
+    def record(self, inputs):
+        usual.append(inputs)
+        return backward(self, inputs)
+
+    monkeypatch.setattr(backends.CudaBackend, "backward", record)
+    rng = np.random.default_rng(7)
+    host = random_qkv(rng, 2, 4, 2, 300, 300, 64, np_dtype("bfloat16"), layout="bshd")
+    q, k, v = (to_device(x).requires_grad_() for x in host)
+    dout = torch.randn_like(q)
+    layout = patterns.local(window=100, block=64)
+    with torch.autograd.graph.saved_tensors_hooks(torch.clone if hook else (lambda t: t), lambda t: t):
+        out, lse = ca_torch.attention(q, k, v, layout, return_lse=True)
+    out.backward(dout)
+    assert len(usual) == hook
+    with torch.no_grad():
+        want = cusparseattn.attention_backward(dout, q, k, v, out, lse, layout)
+    for t, w in zip((q, k, v), want, strict=True):
+        torch.testing.assert_close(t.grad, w, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
