@@ -6,6 +6,7 @@ a call then only packs the parameter struct and launches. Nothing here synchroni
 
 from __future__ import annotations
 
+import copy
 import functools
 import struct
 import threading
@@ -164,6 +165,7 @@ class DeviceTables:
         self.params = base.tobytes()
         self.layout_lines = (layout.batch, layout.heads)
         self._work: dict[tuple[int, ...], object] = {}
+        self.passes: dict[tuple, _Pass] = {}  # `_pass`: the passes over these tables, by call sizes
 
     def work(self, batch: int, heads: int, ctas: int, group_items: int):
         """The persistent passes' schedule for `batch` x `heads` on `ctas` CTAs (plan.work_order), on the
@@ -304,15 +306,13 @@ def _kernel(device: int, *spec_args):
 
 
 class _Pass:
-    """One launch of one kernel with some of its arrays (holders, named as `_FIELDS`) packed ahead: `launch`
-    packs the rest and launches on the current device and stream. The struct is written as bytes at known
-    offsets: a cached call's host time is the budget (setting NumPy struct fields one by one cost more than
-    the launch). `work`: a persistent pass's device work list."""
+    """One kernel's launches for one call's sizes: the kernel, its geometry and the parameters that do not
+    change from call to call (tables, sizes, scale, work list) packed ahead. `bind` packs some arrays
+    (holders, named as `_FIELDS`) ahead too, `launch` the rest, on the current device and stream. The struct
+    is written as bytes at known offsets: a cached call's host time is the budget (setting NumPy struct fields
+    one by one cost more than the launch). `work`: a persistent pass's device work list."""
 
-    def __init__(
-        self, kernel: str, grid, tables: DeviceTables, score, scale: float, tiles, work=None, **arrays
-    ):
-        q, k = arrays["q"], arrays["k"]
+    def __init__(self, kernel: str, grid, tables: DeviceTables, score, scale: float, tiles, work, q, k):
         self.kernel, self.grid, self.tiles = kernel, grid, tiles
         spec_args = (kernel, q.dtype, q.shape[3], tiles, tables.plan.rule_mode, tables.rule_expr)
         self.function, self.block, self.shared = _kernel(q.device[1], *spec_args, score and score.spec)
@@ -321,7 +321,6 @@ class _Pass:
         buffer = bytearray(tables.params)
         if score is not None:
             buffer[_SCORE] = score.fields
-        _pack(buffer, arrays)
         heads_q, heads_k = q.shape[1], k.shape[1]
         struct.pack_into("<4i", buffer, _SIZES, q.shape[2], k.shape[2], heads_q, heads_q // heads_k)
         struct.pack_into("<f", buffer, _SCALE, scale)
@@ -330,6 +329,14 @@ class _Pass:
             struct.pack_into("<i", buffer, _WORK_COUNT, work.size)
         self.params = bytes(buffer)
 
+    def bind(self, **arrays) -> _Pass:
+        """This pass with these arrays packed ahead."""
+        bound = copy.copy(self)
+        buffer = bytearray(self.params)
+        _pack(buffer, arrays)
+        bound.params = bytes(buffer)
+        return bound
+
     def launch(self, maps: tuple = (), **arrays) -> None:
         """Launches over the arrays packed ahead and these; `maps` (TMA descriptors) follow the parameters
         as kernel arguments."""
@@ -337,6 +344,19 @@ class _Pass:
         _pack(buffer, arrays)
         params = np.ndarray((), build.PARAMS, buffer=buffer)
         self.function(self.grid, self.block, (params[()], *maps), shared_mem=self.shared)
+
+
+def _pass(kernel: str, grid, tables: DeviceTables, score, scale: float, tiles, work=None, *, q, k) -> _Pass:
+    """The pass of `kernel` over `tables` for these sizes, made once (with a score mod, once a call: its
+    tables must not outlive it in the layout's)."""
+    if score is not None:
+        return _Pass(kernel, grid, tables, score, scale, tiles, work, q, k)
+    # The work list lives in the tables as long as they do: its id names it.
+    key = (kernel, grid, scale, tiles, id(work), q.dtype, q.shape, k.shape)
+    made = tables.passes.get(key)
+    if made is None:
+        made = tables.passes[key] = _Pass(kernel, grid, tables, None, scale, tiles, work, q, k)
+    return made
 
 
 def _pack(buffer: bytearray, arrays: dict) -> None:
@@ -385,10 +405,10 @@ def forward(
             work = tables.work(batch, heads_q, ctas, 2 * sm_count(device))
             grid = (ctas, 1, 1)
             maps = _maps(tiles[0], tiles[1], q=q, k=k, v=v)
-            _Pass(kernel, grid, tables, score, scale, tiles, work, **arrays).launch(maps)
+            _pass(kernel, grid, tables, score, scale, tiles, work, q=q, k=k).launch(maps, **arrays)
         else:
             grid = (tables.plan.tiles_q, heads_q, batch)
-            _Pass(kernel, grid, tables, score, scale, tiles, **arrays).launch()
+            _pass(kernel, grid, tables, score, scale, tiles, q=q, k=k).launch(**arrays)
 
 
 def backward(
@@ -433,7 +453,8 @@ class Backward:
                     )  # the dK/dV kernel's SPLITS: halves of the head dim past 128
                     grid = (tables.plan.tiles_k, k.shape[1] * splits, batch)
                 maps = _maps(tiles[0], tiles[1], q=q, k=k, v=v) if self.hopper else ()
-                self.passes.append((_Pass(kernel, grid, tables, score, scale, tiles, **arrays), maps))
+                launch = _pass(kernel, grid, tables, score, scale, tiles, q=q, k=k)
+                self.passes.append((launch.bind(**arrays), maps))
 
     def accepts(self, dout) -> bool:
         """Whether the passes can take this dout holder: shaped and typed like q, on its device, and readable

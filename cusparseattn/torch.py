@@ -280,14 +280,15 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, inputs, chosen, backend, recompute):
-        out, lse = _outputs(chosen.forward(inputs))
+        held = chosen.forward(inputs)
+        out, lse = _outputs(held)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # lse has no gradient: no zero-filled tensor for it
         # The layout and score mod live as long as the graph that needs them.
         ctx.layout, ctx.score_mod, ctx.scale = inputs.layout, inputs.score_mod, inputs.scale
         ctx.backend, ctx.recompute = backend, recompute
         ctx.save_for_backward(*((q, k, v) if recompute else (q, k, v, out, lse)))
-        ctx.prepared = None if recompute else _Prepared.make(inputs, out, lse, backend)
+        ctx.prepared = None if recompute else _Prepared.make(inputs, held, (out, lse), backend)
         return out, lse
 
     @staticmethod
@@ -317,22 +318,31 @@ class _Prepared:
         self.prepared, self.saved = prepared, _identities(tensors)
 
     @classmethod
-    def make(cls, inputs: backends.Inputs, out: torch.Tensor, lse: torch.Tensor, backend) -> _Prepared | None:
+    def make(cls, inputs: backends.Inputs, held, outputs, backend) -> _Prepared | None:
+        """For the forward's `inputs`, its results' holders `held` and the tensors `outputs` (out, lse) that
+        autograd saves."""
+        # The saved tensors are the holders' own unless making them contiguous copied them.
+        out, lse = (
+            h if h.native is t else TorchTensor(t, h.name) for h, t in zip(held, outputs, strict=True)
+        )
         # out stands in for dout, which will have its shape, dtype and device: `accepts` checks the rest.
-        held = {
-            "out": TorchTensor(out, "out"),
-            "lse": TorchTensor(lse, "lse"),
-            "dout": TorchTensor(out, "dout"),
-        }
         backward = backends.Inputs(
-            inputs.q, inputs.k, inputs.v, inputs.layout, inputs.scale, score_mod=inputs.score_mod, **held
+            inputs.q,
+            inputs.k,
+            inputs.v,
+            inputs.layout,
+            inputs.scale,
+            score_mod=inputs.score_mod,
+            out=out,
+            lse=lse,
+            dout=out,
         )
         try:
             chosen, _ = backends.choose(backward, "backward", backend)
         except ValueError:  # the backward raises it, with its own arguments
             return None
         prepared = chosen.prepare_backward(backward)
-        natives = (inputs.q.native, inputs.k.native, inputs.v.native, out, lse)
+        natives = (inputs.q.native, inputs.k.native, inputs.v.native, *outputs)
         return None if prepared is None else cls(prepared, natives)
 
     def gradients(self, dout: torch.Tensor, tensors) -> tuple | None:

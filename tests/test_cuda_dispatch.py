@@ -156,6 +156,38 @@ def test_a_cached_launch_builds_no_spec(launches, monkeypatch):
     assert len(launches) == 2
 
 
+@pytest.mark.parametrize("hopper", [False, True], ids=["portable", "hopper"])
+def test_a_second_call_reuses_the_passes_and_packs_its_own_arrays(launches, monkeypatch, hopper):
+    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90 if hopper else 80)
+    seq, dim = 256, 64
+    layout = patterns.causal(block=64).layout(seq)
+    for call in range(2):
+        base = 0x100000 * (call + 1)
+        q, dout, out, dq = (Holder((1, 4, seq, dim), address=base + 0x1000 * i, pad=8 * i) for i in range(4))
+        k, v, dk, dv = (Holder((1, 2, seq, dim), address=base + 0x10000 * (i + 1)) for i in range(4))
+        lse, delta = (
+            Holder((1, 4, seq), dtype="float32", address=base + 0x80000 + 0x1000 * i) for i in range(2)
+        )
+        cuda.forward(q, k, v, out, lse, layout, 0.25)
+        cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, delta, layout, 0.25)
+        common = dict(q=q, k=k, v=v, out=out, lse=lse)
+        expected = [
+            common,
+            dict(common, dout=dout, delta=delta, dq=dq),
+            dict(common, dout=dout, delta=delta, dk=dk, dv=dv),
+        ]
+        for (name, *_, args, _, _), arrays in zip(launches[3 * call :], expected, strict=True):
+            kernel = name.split("_bf16")[0]
+            tiles = build.tile_config(kernel, dim)
+            tables = cuda.device_tables(layout, tiles[0], tiles[1], 0)
+            packed = np.frombuffer(args[0].tobytes(), build.PARAMS)[0].copy()
+            packed["work"], packed["work_count"] = 0, 0  # the forward's schedule: test_hopper_gpus_run...
+            assert packed.tobytes() == fieldwise(tables, None, 0.25, **arrays), name
+    # One pass each, made in the first call.
+    passes = [p for entries in cuda._tables[id(layout)].values() for p in entries.passes.values()]
+    assert sorted(p.kernel for p in passes) == sorted(name.split("_bf16")[0] for name, *_ in launches[:3])
+
+
 def _forward(head_dim, seq=300, **kwargs):
     q, k, v = (
         Holder((2, 4, seq, head_dim), **kwargs),
