@@ -44,6 +44,7 @@ def launches(monkeypatch):
     fake.cuda = types.SimpleNamespace(
         Device=lambda device: contextlib.nullcontext(),
         Stream=types.SimpleNamespace(null=contextlib.nullcontext()),
+        ExternalStream=lambda handle: contextlib.nullcontext(),
         runtime=types.SimpleNamespace(setDevice=lambda device: bound.append(device)),
     )
     bound = []
@@ -67,14 +68,15 @@ def launches(monkeypatch):
 
     monkeypatch.setattr(tma, "_tile_map", encode)
 
-    def load(spec, device):
-        def function(grid, block, args, shared_mem):
-            maps = [geometry[m.tobytes()] for m in args[1:]]
-            record.append((spec.name, grid, block, args, shared_mem, maps))
+    def launch(function, grid, block, shared, stream, args):
+        params = np.frombuffer(bytes(args[0]), build.PARAMS)[0]
+        maps = [geometry[m.tobytes()] for m in args[1:]]
+        record.append((function.name, grid, block, (params, *args[1:]), shared, maps))
+        fake.streams.append(stream)
 
-        return function
-
-    monkeypatch.setattr(build, "load", load)
+    fake.streams = []  # the stream of each launch
+    monkeypatch.setattr(build, "load", lambda spec, device: types.SimpleNamespace(name=spec.name))
+    monkeypatch.setattr(cuda, "_launch", launch)
     cuda._kernel.cache_clear()
     yield record
     cuda._kernel.cache_clear()
@@ -168,8 +170,10 @@ def test_a_second_call_reuses_the_passes_and_packs_its_own_arrays(launches, monk
         lse, delta = (
             Holder((1, 4, seq), dtype="float32", address=base + 0x80000 + 0x1000 * i) for i in range(2)
         )
+        q.stream, dout.stream = 0x71 + call, 0x81 + call  # the forward's stream is q's, the backward's dout's
         cuda.forward(q, k, v, out, lse, layout, 0.25)
         cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, delta, layout, 0.25)
+        assert sys.modules["cupy"].streams[3 * call :] == [q.stream, dout.stream, dout.stream]
         common = dict(q=q, k=k, v=v, out=out, lse=lse)
         expected = [
             common,
