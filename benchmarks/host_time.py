@@ -8,7 +8,7 @@ short; this names the stage that is not. Three calls are timed, each `--calls` t
 (the GPU work queues behind): `attention_forward`, the functional `attention_backward`, and a step through
 autograd (`attention(...).backward(grad)`). Each stage's time is inclusive (a stage inside another counts in
 both) and per call of the whole; "issue" is the wall time per call, "rest" what no listed stage covers
-(PyTorch's dispatch and autograd, CuPy's launch)."""
+(PyTorch's dispatch and autograd)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ STAGES = [
     ("backends", "CudaBackend.prepare_backward"),
     ("backends", "_CudaPrepared.run"),
     ("cuda", "_Pass.launch"),
+    ("cuda", "_launch"),
 ]
 
 
