@@ -309,9 +309,9 @@ def _kernel(device: int, *spec_args):
 class _Pass:
     """One kernel's launches for one call's sizes: the kernel, its geometry and the parameters that do not
     change from call to call (tables, sizes, scale, work list) packed ahead. `bind` packs some arrays
-    (holders, named as `_FIELDS`) ahead too, `launch` the rest, on the current device and stream. The struct
-    is written as bytes at known offsets: a cached call's host time is the budget (setting NumPy struct fields
-    one by one cost more than the launch). `work`: a persistent pass's device work list."""
+    (holders, named as `_FIELDS`) ahead too, `launch` the rest, on the current device and a given stream.
+    The struct is written as bytes at known offsets: a cached call's host time is the budget (setting NumPy
+    struct fields one by one cost more than the launch). `work`: a persistent pass's device work list."""
 
     def __init__(self, kernel: str, grid, tables: DeviceTables, score, scale: float, tiles, work, q, k):
         self.kernel, self.grid, self.tiles = kernel, grid, tiles
