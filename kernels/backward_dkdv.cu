@@ -88,7 +88,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                 const float* delta_s = lse_s + TILE_M;
 
                 const unsigned long long keep =
-                    e.y >= 0 ? mask_bits<true, TILE_M>(p, e.y, b, h, q0, k_tile0, warp * 16, lane) : 0;
+                    mask_bits<true, TILE_M>(p, e.y, b, h, q0, k_tile0, warp * 16, lane);
                 float st[TILE_M / 8][4], dpt[TILE_M / 8][4];  // S^T (the warp's 16 keys x TILE_M queries), (dO V^T)^T
                 mma_ABt<TILE_M>(st, kf, qs, lane);
                 // A score mod's derivative folds into dpt while the raw scores are at hand; without one, dpt

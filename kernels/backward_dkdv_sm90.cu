@@ -106,7 +106,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 vec[1][c] = q0 + c < p.seq_q ? delta_head[q0 + c] : 0.f;
             }
             const unsigned long long keep =
-                e.y >= 0 ? mask_bits<true, TILE_M>(p, e.y, b, h, q0, k_tile0, keys + warp * 16, lane) : 0;
+                mask_bits<true, TILE_M>(p, e.y, b, h, q0, k_tile0, keys + warp * 16, lane);
             warpgroup_sync(1 + consumer);  // the buffer is written; the one of use n - 1 stays until n + 1
             const float* lse2 = vec[0];
             const float* delta = vec[1];

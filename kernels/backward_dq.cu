@@ -63,7 +63,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
             }
             const elem_t* ks = kv_smem + stage * 2 * KV_ELEMS;
             const unsigned long long keep =
-                e.y >= 0 ? mask_bits<false, TILE_N>(p, e.y, b, h, q_tile0, e.x * TILE_N, warp * 16, lane) : 0;
+                mask_bits<false, TILE_N>(p, e.y, b, h, q_tile0, e.x * TILE_N, warp * 16, lane);
             float s[TILE_N / 8][4];
             mma_ABt<TILE_N>(s, qf, ks, lane);
             float dp[TILE_N / 8][4];

@@ -459,12 +459,14 @@ __device__ __forceinline__ unsigned long long gather_bits(int row0, int lane, Vi
 }
 
 // Which elements of a warp's 16 x COLS accumulator tile are visible, one bit each (bit 4n + 2r + c for element
-// [n][2r + c]). Rows are queries and columns keys, or the transpose (the dK/dV pass); `row0` is the warp's
-// first row in the tile. Computed before the scores exist, so that the rule's arithmetic does not compete
-// with the score accumulators for registers.
+// [n][2r + c]), in partial tile `pidx` of the plan; 0 for a full tile (pidx < 0), which is applied no mask.
+// Rows are queries and columns keys, or the transpose (the dK/dV pass); `row0` is the warp's first row in the
+// tile. Computed before the scores exist, so that the rule's arithmetic does not compete with the score
+// accumulators for registers.
 template <bool TRANSPOSED, int COLS>
 __device__ __forceinline__ unsigned long long mask_bits(const Params& p, int pidx, int b, int h, int q0, int k0,
                                                         int row0, int lane) {
+    if (pidx < 0) return 0;
 #if RULE_MODE == RULE_BITS
     const ulonglong2 sub = make_ulonglong2(0, 0);
 #else

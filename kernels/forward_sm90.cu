@@ -101,12 +101,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             const int k0 = e.x * TILE_N;
             // The partial tile's mask is worked out while the tensor cores run.
             const unsigned long long keep =
-                e.y >= 0 ? mask_bits<false, TILE_N>(p, e.y, b, h, q_tile0, k0, rows + warp * 16, lane) : 0;
-            if (behind) {
-                wgmma_wait<1>();
-            } else {
-                wgmma_wait<0>();
-            }
+                mask_bits<false, TILE_N>(p, e.y, b, h, q_tile0, k0, rows + warp * 16, lane);
+            wgmma_wait_behind(behind);
             fence_operands(sc);
             sh.k_ring.release(uses + i);
             if (i == count - 1) sh.q_ring.release(rows_done);  // the row's last use of Q

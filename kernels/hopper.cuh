@@ -151,6 +151,15 @@ __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
+// Waits for the issued groups, but for the last one when `behind` (groups complete in order).
+__device__ __forceinline__ void wgmma_wait_behind(bool behind) {
+    if (behind) {
+        wgmma_wait<1>();
+    } else {
+        wgmma_wait<0>();
+    }
+}
+
 // Keeps the compiler from touching an MMA's registers while it is in flight: after the wait, they count as
 // read and written here (accumulators), or as live until here (A fragments).
 template <int N>
