@@ -195,8 +195,8 @@ class _CudaPrepared(PreparedBackward):
         q_shape, k_shape, dtype = launch.shape, launch.k_shape, launch.dtype
         with cupy.cuda.Device(launch.device):
             dq, dk, dv = dout.empty(q_shape, dtype), dout.empty(k_shape, dtype), dout.empty(k_shape, dtype)
-            delta = dout.empty(q_shape[:3], "float32")
-            launch.run(dout, dq, dk, dv, delta)
+            stats = dout.empty(launch.stats_shape, "float32")
+            launch.run(dout, dq, dk, dv, stats)
         dq.name, dk.name, dv.name = "dq", "dk", "dv"
         return dq, dk, dv
 
@@ -262,9 +262,9 @@ class CudaBackend(Backend):
         q, k = inputs.q, inputs.k
         with cupy.cuda.Device(q.device[1]):
             dq, dk, dv = q.empty(q.shape, q.dtype), k.empty(k.shape, k.dtype), k.empty(k.shape, k.dtype)
-            delta = q.empty(q.shape[:3], "float32")  # scratch: rowsum(dout * out), written by the dq pass
+            stats = q.empty(cuda.stats_shape(q.shape), "float32")  # the dq pass's scratch for the dk/dv pass
             saved = (inputs.dout, q, k, inputs.v, inputs.out, inputs.lse)
-            cuda.backward(*saved, dq, dk, dv, delta, inputs.layout, inputs.scale, score_mod=inputs.score_mod)
+            cuda.backward(*saved, dq, dk, dv, stats, inputs.layout, inputs.scale, score_mod=inputs.score_mod)
         dq.name, dk.name, dv.name = "dq", "dk", "dv"
         return dq, dk, dv
 

@@ -63,7 +63,9 @@ TILES = {
 }
 # Hopper kernels (sm_90a: TMA, wgmma, a producer warpgroup) take head dims of whole 64-element panels.
 HOPPER_HEAD_DIMS = (64, 128)
-HOPPER_STAGES = 2  # hopper.cuh's STAGES
+# Buffers of each Hopper pass's ring (hopper.cuh's STAGES): the dK/dV pass holds a (Q, dO) slot until the next
+# use's scores are issued, so it takes more to keep its loads ahead.
+HOPPER_STAGES = {"forward_sm90": 2, "backward_dq_sm90": 2, "backward_dkdv_sm90": 3}
 ARCH = {"forward_sm90": "sm_90a", "backward_dq_sm90": "sm_90a", "backward_dkdv_sm90": "sm_90a"}
 KERNELS = tuple(TILES)
 # With a score mod, the dQ pass keeps its derivative's arithmetic beside the scores and dO V^T: key tiles of
@@ -78,16 +80,15 @@ def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int
     if kernel == "forward":  # Q, two stages of K and V
         return row * (tm + 2 * 2 * tn)
     if kernel in ARCH:  # the kernel's Shared struct (1024-aligned), and 1024 bytes to align it
-        stages, barrier = HOPPER_STAGES, 8  # an mbarrier is 8 bytes
+        stages, barrier = HOPPER_STAGES[kernel], 8  # an mbarrier is 8 bytes
         payload = {
             # Q; stages of K and V; full/empty barriers for Q and for each stage of the K and V rings
             "forward_sm90": 2 * head_dim * (tm + 2 * stages * tn) + barrier * (2 + 4 * stages),
             # Q and dO; stages of K and V; barriers as the forward's
             "backward_dq_sm90": 2 * head_dim * (2 * tm + 2 * stages * tn) + barrier * (1 + 4 * stages),
-            # K and V; stages of Q and dO; 2 consumers x 2 buffers x (lse, delta) in fp32; a barrier for K
-            # and V and the (Q, dO) ring
+            # K and V; stages of Q, dO and their two fp32 statistics; a barrier for K and V and the ring's
             "backward_dkdv_sm90": 2 * head_dim * (2 * tn + 2 * stages * tm)
-            + 2 * 2 * 2 * 4 * tm
+            + stages * 2 * 4 * tm
             + barrier * (1 + 2 * stages),
         }[kernel]
         return -(-payload // 1024) * 1024 + 1024
@@ -121,7 +122,7 @@ def tile_config(
 PARAMS = np.dtype(
     [
         ("q", np.uint64), ("k", np.uint64), ("v", np.uint64), ("o", np.uint64), ("lse", np.uint64),
-        ("dout", np.uint64), ("dq", np.uint64), ("dk", np.uint64), ("dv", np.uint64), ("delta", np.uint64),
+        ("dout", np.uint64), ("dq", np.uint64), ("dk", np.uint64), ("dv", np.uint64), ("stats", np.uint64),
         ("q_sb", np.int64), ("q_sh", np.int64), ("q_ss", np.int64),
         ("k_sb", np.int64), ("k_sh", np.int64), ("k_ss", np.int64),
         ("v_sb", np.int64), ("v_sh", np.int64), ("v_ss", np.int64),
@@ -131,7 +132,7 @@ PARAMS = np.dtype(
         ("dk_sb", np.int64), ("dk_sh", np.int64), ("dk_ss", np.int64),
         ("dv_sb", np.int64), ("dv_sh", np.int64), ("dv_ss", np.int64),
         ("lse_sb", np.int64), ("lse_sh", np.int64),
-        ("delta_sb", np.int64), ("delta_sh", np.int64),
+        ("stats_sb", np.int64), ("stats_sh", np.int64), ("stats_sr", np.int64),
         ("seq_q", np.int32), ("seq_k", np.int32), ("heads_q", np.int32), ("group", np.int32),
         ("layout_batch", np.int32), ("layout_heads", np.int32),
         ("tiles_q", np.int32), ("tiles_k", np.int32),
@@ -244,6 +245,7 @@ class KernelSpec:
             lines.append(f"#define CSA_SCORE(s, b, h, q, k) ({self.score[0]})")
             lines.append(f"#define CSA_SCORE_GRAD(s, b, h, q, k) ({self.score[1]})")
         if self.arch is not None:
+            lines.append(f"#define STAGES {HOPPER_STAGES[self.kernel]}")
             types = {"float16": "f16.f16", "bfloat16": "bf16.bf16"}[self.dtype]
             lines += _wgmma_functions(sorted({tm, tn, self.padded_head_dim}), types)
         return "\n".join(lines) + "\n"

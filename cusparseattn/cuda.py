@@ -289,7 +289,7 @@ _FIELDS = {
     for name, (pointer, prefix, ndim) in {
         "q": ("q", "q", 3), "k": ("k", "k", 3), "v": ("v", "v", 3), "out": ("o", "o", 3),
         "dout": ("dout", "do", 3), "dq": ("dq", "dq", 3), "dk": ("dk", "dk", 3), "dv": ("dv", "dv", 3),
-        "lse": ("lse", "lse", 2), "delta": ("delta", "delta", 2),
+        "lse": ("lse", "lse", 2), "stats": ("stats", "stats", 3),
     }.items()
 }  # fmt: skip
 _SIZES = _offset("seq_q")  # seq_q, seq_k, heads_q, group: four int32 in a row
@@ -431,21 +431,34 @@ def forward(
             _pass(kernel, grid, tables, score, scale, tiles, q=q, k=k).launch(stream, **arrays)
 
 
+# The backward's statistics scratch pads the query rows to whole tiles of every pass (the Hopper dK/dV pass
+# copies a tile's statistics whole).
+_STATS_ROWS = 128
+
+
+def stats_shape(q_shape) -> tuple[int, int, int, int]:
+    """The backward's float32 scratch for queries of this shape: [B, Hq, 2, Sq padded to 128] (per query
+    row lse * log2(e), then rowsum(dout * out); written by the dQ pass for the dK/dV pass)."""
+    batch, heads, seq = q_shape[:3]
+    return batch, heads, 2, -(-seq // _STATS_ROWS) * _STATS_ROWS
+
+
 def backward(
-    dout, q, k, v, out, lse, dq, dk, dv, delta, layout: BlockLayout, scale: float, *, score_mod=None
+    dout, q, k, v, out, lse, dq, dk, dv, stats, layout: BlockLayout, scale: float, *, score_mod=None
 ):
-    """Launches the backward kernels: writes `dq` [B, Hq, Sq, D], `dk` and `dv` [B, Hkv, Sk, D], and `delta`
-    [B, Hq, Sq] (float32 scratch: rowsum(dout * out), from the first kernel to the second).
+    """Launches the backward kernels: writes `dq` [B, Hq, Sq, D], `dk` and `dv` [B, Hkv, Sk, D], and `stats`
+    (float32 scratch of `stats_shape(q.shape)`, from the first kernel to the second).
 
     Each gradient element is written once by one thread (no atomics): the results are bitwise reproducible.
     """
-    Backward(q, k, v, out, lse, layout, scale, score_mod=score_mod, dout=dout).run(dout, dq, dk, dv, delta)
+    Backward(q, k, v, out, lse, layout, scale, score_mod=score_mod, dout=dout).run(dout, dq, dk, dv, stats)
 
 
 class Backward:
     """The backward's two passes over q, k, v, out and lse, prepared ahead (tables, TMA descriptors, packed
-    parameters): `run` adds dout, the gradients and delta. PyTorch's autograd prepares it in the forward,
-    while the forward's kernel runs, so that the backward's host time before its first launch is short.
+    parameters): `run` adds dout, the gradients and the statistics scratch. PyTorch's autograd prepares it in
+    the forward, while the forward's kernel runs, so that the backward's host time before its first launch is
+    short.
 
     The Hopper passes read dout through TMA: without `dout` (not known yet) they are chosen for q, k and v,
     and `accepts` tells whether a dout fits them.
@@ -456,6 +469,7 @@ class Backward:
 
         batch, heads_q, _, head_dim = q.shape
         self.shape, self.k_shape, self.dtype, self.device = q.shape, k.shape, q.dtype, q.device[1]
+        self.stats_shape = stats_shape(q.shape)
         self.hopper = not hopper_reasons(q, k, v, dout)
         suffix = "_sm90" if self.hopper else ""
         arrays = dict(q=q, k=k, v=v, out=out, lse=lse)
@@ -483,7 +497,7 @@ class Backward:
             return False
         return not tensor_reasons(("dout", dout)) and not (self.hopper and _tma_reasons("dout", dout))
 
-    def run(self, dout, dq, dk, dv, delta) -> None:
+    def run(self, dout, dq, dk, dv, stats) -> None:
         import cupy
 
         (dq_pass, dq_maps), (kv_pass, kv_maps) = self.passes
@@ -491,9 +505,9 @@ class Backward:
         with cupy.cuda.Device(self.device):
             _bind(self.device)
             dout_map = (tma.tile_map(dout, dq_pass.tiles[0]),) if self.hopper else ()
-            dq_pass.launch(stream, dq_maps + dout_map, dout=dout, delta=delta, dq=dq)
+            dq_pass.launch(stream, dq_maps + dout_map, dout=dout, stats=stats, dq=dq)
             dout_map = (tma.tile_map(dout, kv_pass.tiles[0]),) if self.hopper else ()
-            kv_pass.launch(stream, kv_maps + dout_map, dout=dout, delta=delta, dk=dk, dv=dv)
+            kv_pass.launch(stream, kv_maps + dout_map, dout=dout, stats=stats, dk=dk, dv=dv)
 
 
 def _maps(tile_m: int, tile_n: int, **arrays) -> tuple:

@@ -39,10 +39,10 @@ try:
 except ImportError:  # JAX older than 0.7
     buffer_callback = None
 
-#: The arrays each pass reads, and those the kernels write (delta: the backward's float32 scratch), in the
+#: The arrays each pass reads, and those the kernels write (stats: the backward's float32 scratch), in the
 #: order the XLA call takes and returns them; together, the order of `cuda.forward`'s and `cuda.backward`'s.
 _INPUTS = {"forward": ("q", "k", "v"), "backward": ("dout", "q", "k", "v", "out", "lse")}
-_KERNEL_OUTPUTS = {"forward": ("out", "lse"), "backward": ("dq", "dk", "dv", "delta")}
+_KERNEL_OUTPUTS = {"forward": ("out", "lse"), "backward": ("dq", "dk", "dv", "stats")}
 
 
 def attention(
@@ -118,7 +118,9 @@ def run(inputs: Inputs, op: str, backend: str | None) -> tuple:
                 "newer, or pass backend='reference' to run the NumPy reference on the host"
             )
         if op == "backward":
-            results += (jax.ShapeDtypeStruct(q.shape[:3], np.float32),)  # delta: the kernels' scratch
+            from . import cuda
+
+            results += (jax.ShapeDtypeStruct(cuda.stats_shape(q.shape), np.float32),)  # the kernels' scratch
         call = _Kernels(op, inputs.layout, inputs.scale, inputs.score_mod, q.dtype)
         outputs = buffer_callback(call, results, vmap_method="sequential")(*natives)
         return tuple(outputs[:3]) if op == "backward" else tuple(outputs)
@@ -175,7 +177,7 @@ class _Kernels(_Pass):
         stream = ctx.stream
         names = _INPUTS[self.op] + _KERNEL_OUTPUTS[self.op]
         held = {
-            name: XlaBuffer(buffer, name, "float32" if name in ("lse", "delta") else self.dtype, stream)
+            name: XlaBuffer(buffer, name, "float32" if name in ("lse", "stats") else self.dtype, stream)
             for name, buffer in zip(names, (*args, *outputs), strict=True)
         }
         # Traced arrays had no memory to check when the backend was chosen. XLA's buffers are dense and

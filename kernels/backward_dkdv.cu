@@ -3,10 +3,11 @@
 // One CTA per (key tile, key/value head, batch element) and, for head dims above 128, per half of the head
 // dimension of the outputs. K and V stay in shared memory; the CTA walks the query tiles of its column of the
 // tile table (only those that attend to it), for every query head of its group in turn, double buffering Q,
-// dO, lse and delta (written by pass 1). Each warp owns 16 keys and works on transposed scores: it recomputes
-// P^T = exp(K Q^T - lse), accumulates dV += P^T dO, forms dS^T = P^T * (V dO^T - delta) and accumulates
-// dK += dS^T Q, all in fp32 registers, then writes both once: no atomics, and the heads of a group add up in
-// a fixed order, so two runs give the same bits. Keys no query attends to get zero gradients.
+// dO and their statistics lse * log2(e) and delta (written by pass 1). Each warp owns 16 keys and works on
+// transposed scores: it recomputes P^T = exp(K Q^T - lse), accumulates dV += P^T dO, forms
+// dS^T = P^T * (V dO^T - delta) and accumulates dK += dS^T Q, all in fp32 registers, then writes both once:
+// no atomics, and the heads of a group add up in a fixed order, so two runs give the same bits. Keys no query
+// attends to get zero gradients.
 #include "common.cuh"
 
 using namespace csa;
@@ -21,7 +22,7 @@ constexpr int SPLITS = HEAD_DIM > 128 ? 2 : 1;
 constexpr int DW = HEAD_DIM / SPLITS;
 static_assert(DW % 16 == 0, "a column slice is whole MMA shapes");
 
-// Shared memory: the K and V tiles, two stages of (Q tile, dO tile), two stages of (lse, delta) vectors.
+// Shared memory: the K and V tiles, two stages of (Q tile, dO tile), two stages of (lse2, delta) vectors.
 constexpr int KV_ELEMS = TILE_N * SMEM_ROW;
 constexpr int Q_ELEMS = TILE_M * SMEM_ROW;
 constexpr int SMEM_BYTES = (2 * KV_ELEMS + 2 * 2 * Q_ELEMS) * sizeof(elem_t) + 2 * 2 * TILE_M * sizeof(float);
@@ -33,7 +34,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     elem_t* k_smem = reinterpret_cast<elem_t*>(smem_raw);
     elem_t* v_smem = k_smem + KV_ELEMS;
     elem_t* qdo_smem = v_smem + KV_ELEMS;  // stage s: Q at qdo_smem + s * 2 * Q_ELEMS, dO after it
-    float* vec_smem = reinterpret_cast<float*>(qdo_smem + 2 * 2 * Q_ELEMS);  // stage s: lse, then delta
+    float* vec_smem = reinterpret_cast<float*>(qdo_smem + 2 * 2 * Q_ELEMS);  // stage s: lse2, then delta
     if (threadIdx.x == 0 && dynamic_smem_size() < SMEM_BYTES) __trap();
 
     const int tile_k = blockIdx.x;  // the first key tiles are the heaviest columns of causal-like layouts
@@ -61,8 +62,10 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         const int begin = span.begin, count = span.count;
         const elem_t* q_head = p.q + b * p.q_sb + h * p.q_sh;
         const elem_t* do_head = p.dout + b * p.do_sb + h * p.do_sh;
-        const float* lse_head = p.lse + b * p.lse_sb + h * p.lse_sh;
-        const float* delta_head = p.delta + b * p.delta_sb + h * p.delta_sh;
+        // Pass 1 wrote the statistics over all rows of its query tiles, which are no smaller than these: the
+        // rows past the sequence have lse2 = +inf (P = 0) and delta = 0.
+        const float* lse2_head = stat_row(p, b, h, STAT_LSE2);
+        const float* delta_head = lse2_head + p.stats_sr;
         pipeline2(
             count,
             [&](int stage, int i) {
@@ -71,8 +74,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                 load_tile_async<TILE_M, THREADS>(qs, q_head, p.q_ss, q0, p.seq_q);
                 load_tile_async<TILE_M, THREADS>(qs + Q_ELEMS, do_head, p.do_ss, q0, p.seq_q);
                 float* vs = vec_smem + stage * 2 * TILE_M;
-                load_vec_async<TILE_M, THREADS>(vs, lse_head, q0, p.seq_q);
-                load_vec_async<TILE_M, THREADS>(vs + TILE_M, delta_head, q0, p.seq_q);
+                load_vec_async<TILE_M, THREADS>(vs, lse2_head, q0, p.stats_sr);
+                load_vec_async<TILE_M, THREADS>(vs + TILE_M, delta_head, q0, p.stats_sr);
             },
             [&](int stage, int i) {
                 const int2 e = p.col_entries[begin + i];
@@ -84,8 +87,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                 }
                 const elem_t* qs = qdo_smem + stage * 2 * Q_ELEMS;
                 const elem_t* dos = qs + Q_ELEMS;
-                const float* lse_s = vec_smem + stage * 2 * TILE_M;
-                const float* delta_s = lse_s + TILE_M;
+                const float* lse2_s = vec_smem + stage * 2 * TILE_M;
+                const float* delta_s = lse2_s + TILE_M;
 
                 const unsigned long long keep =
                     mask_bits<true, TILE_M>(p, e.y, b, h, q0, k_tile0, warp * 16, lane);
@@ -101,13 +104,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 #pragma unroll
                 for (int n = 0; n < TILE_M / 8; ++n)
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        // Queries past the sequence and rows that attend to nothing (lse = -inf) get P = 0.
-                        const int col = n * 8 + 2 * t + (j & 1);
-                        const float lse = lse_s[col];
-                        const float lse2 = q0 + col < p.seq_q && lse != -INFINITY ? lse * LOG2E : INFINITY;
-                        st[n][j] = exp2f(fmaf(st[n][j], scale_log2, -lse2));  // P^T
-                    }
+                    for (int j = 0; j < 4; ++j)
+                        st[n][j] = exp2f(fmaf(st[n][j], scale_log2, -lse2_s[n * 8 + 2 * t + (j & 1)]));  // P^T
                 mma_AB<TILE_M, DW>(dv, st, dos + split * DW, lane);
                 if constexpr (!SCORE_MOD) mma_ABt<TILE_M>(dpt, vf, dos, lane);
 #pragma unroll

@@ -2,9 +2,10 @@
 //
 // One CTA per (key tile, key/value head, batch element), three warpgroups. The producer copies the K and V
 // tiles once and streams the (Q, dO) tiles of the layout's column, for every query head of the group in turn,
-// through a ring. Each consumer warpgroup owns 64 keys and works on transposed scores: S^T = K Q^T and
-// dP^T = V dO^T from shared memory, P^T = exp(S^T - lse) in registers, dV += P^T dO and dK += dS^T Q with
-// the probabilities as register fragments and Q, dO read MN-major. Both are written once: no atomics, and the
+// through a ring, with their rows' lse and delta (which the dQ pass wrote out): the consumers load nothing.
+// Each consumer warpgroup owns 64 keys and works on transposed scores: S^T = K Q^T and dP^T = V dO^T from
+// shared memory, P^T = exp(S^T - lse) and dS^T in registers, dV += P^T dO and dK += dS^T Q with both as
+// register fragments and Q, dO read MN-major. Both are written once: no atomics, and the
 // heads of a group add up in a fixed order, so two runs give the same bits. Keys no query attends to get zero
 // gradients.
 #include "hopper.cuh"
@@ -14,18 +15,49 @@ using namespace csa;
 static_assert(TILE_N == CONSUMERS * 64, "two 64-key consumers");
 static_assert(TILE_M % 16 == 0 && TILE_M <= 256, "a query tile is one wgmma N");
 
+// Overlapping a use's gradient products with the next one's scores keeps both sets of operands live: 64
+// registers more a thread, which fit beside dK and dV at head dim 64 only.
+constexpr bool PIPELINED = HEAD_DIM <= 64;
 constexpr unsigned KV_BYTES = TILE_N * HEAD_DIM * sizeof(elem_t);
 constexpr unsigned Q_BYTES = TILE_M * HEAD_DIM * sizeof(elem_t);
+constexpr unsigned STAT_BYTES = TILE_M * sizeof(float);
+static_assert(STAT_BYTES % 16 == 0, "bulk copies move whole 16-byte units");
 
 struct alignas(1024) Shared {
     elem_t k[TILE_N * HEAD_DIM];
     elem_t v[TILE_N * HEAD_DIM];
     elem_t q[STAGES][TILE_M * HEAD_DIM];
     elem_t dout[STAGES][TILE_M * HEAD_DIM];
-    float vec[CONSUMERS][2][2][TILE_M];  // per consumer, two buffers of (lse * log2(e), delta) of a query tile
+    float stats[STAGES][2][TILE_M];  // the query tile's lse * log2(e) and delta (STAT_LSE2, STAT_DELTA)
     Barrier kv_full;
-    Ring<STAGES> q_ring;  // Q and dO
+    Ring<STAGES> q_ring;  // Q, dO and their statistics
 };
+// The uses of a key tile, in order: the entries of its layout column for each query head of the group in turn.
+struct ColumnWalk {
+    const Params& p;
+    const int b, hk, tile_k;
+    int j = -1, i = 0;  // head of the group, entry of its column
+    Span span{0, 0};
+    __device__ ColumnWalk(const Params& p_, int b_, int hk_, int tile_k_) : p(p_), b(b_), hk(hk_), tile_k(tile_k_) {
+        skip_empty();
+    }
+    __device__ bool done() const { return j >= p.group; }
+    __device__ int h() const { return hk * p.group + j; }
+    __device__ int2 entry() const { return p.col_entries[span.begin + i]; }
+    __device__ void next() {
+        ++i;
+        skip_empty();
+    }
+
+  private:
+    __device__ void skip_empty() {
+        while (i >= span.count && ++j < p.group) {
+            span = column_span(p, b, h(), tile_k);
+            i = 0;
+        }
+    }
+};
+
 static_assert(sizeof(Shared) + 1024 == SHARED_BYTES, "the builder launches with the kernel's shared memory size");
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -51,21 +83,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     if (warpgroup == 0) {
         release_registers<24>();
         if (threadIdx.x == 0) {
-            int n = 0;  // uses of the ring, over the heads of the group
-            for (int j = 0; j < p.group; ++j) {
-                const int h = hk * p.group + j;
-                const Span span = column_span(p, b, h, tile_k);
-                for (int i = 0; i < span.count; ++i, ++n) {
-                    if (n == 0) {
-                        sh.kv_full.expect_bytes(2 * KV_BYTES);
-                        tma_load_tile(sh.k, k_map, sh.kv_full, k_tile0, hk, b);
-                        tma_load_tile(sh.v, v_map, sh.kv_full, k_tile0, hk, b);
-                    }
-                    const int q0 = p.col_entries[span.begin + i].x * TILE_M;
-                    Barrier& full = sh.q_ring.fill(n, 2 * Q_BYTES);
-                    tma_load_tile(sh.q[n % STAGES], q_map, full, q0, h, b);
-                    tma_load_tile(sh.dout[n % STAGES], do_map, full, q0, h, b);
+            int n = 0;  // uses of the ring
+            for (ColumnWalk walk(p, b, hk, tile_k); !walk.done(); walk.next(), ++n) {
+                if (n == 0) {
+                    sh.kv_full.expect_bytes(2 * KV_BYTES);
+                    tma_load_tile(sh.k, k_map, sh.kv_full, k_tile0, hk, b);
+                    tma_load_tile(sh.v, v_map, sh.kv_full, k_tile0, hk, b);
                 }
+                const int q0 = walk.entry().x * TILE_M, h = walk.h(), slot = n % STAGES;
+                Barrier& full = sh.q_ring.fill(n, 2 * Q_BYTES + 2 * STAT_BYTES);
+                tma_load_tile(sh.q[slot], q_map, full, q0, h, b);
+                tma_load_tile(sh.dout[slot], do_map, full, q0, h, b);
+                // The dQ pass wrote the statistics over whole tiles of the padded length.
+                bulk_load(sh.stats[slot][STAT_LSE2], stat_row(p, b, h, STAT_LSE2) + q0, STAT_BYTES, full);
+                bulk_load(sh.stats[slot][STAT_DELTA], stat_row(p, b, h, STAT_DELTA) + q0, STAT_BYTES, full);
             }
         }
         return;
@@ -80,68 +111,82 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     zero(dk);
     zero(dv);
 
-    int n = 0;
-    for (int j = 0; j < p.group; ++j) {
-        const int h = hk * p.group + j;
-        const Span span = column_span(p, b, h, tile_k);
-        const float* lse_head = p.lse + b * p.lse_sb + h * p.lse_sh;
-        const float* delta_head = p.delta + b * p.delta_sb + h * p.delta_sh;
-        for (int i = 0; i < span.count; ++i, ++n) {
-            const int2 e = p.col_entries[span.begin + i];
-            const int q0 = e.x * TILE_M;
-            const elem_t* q = sh.q[n % STAGES];
-            const elem_t* dout = sh.dout[n % STAGES];
-            if (n == 0) sh.kv_full.wait(0);
-            sh.q_ring.wait(n);
-            float st[TILE_M / 8][4], dpt[TILE_M / 8][4];  // S^T (64 keys x TILE_M queries), dP^T
-            issue_ABt<TILE_M, TILE_N>(st, sh.k + keys * 64, q);
-            issue_ABt<TILE_M, TILE_N>(dpt, sh.v + keys * 64, dout);
-
-            // While the tensor cores run: the query tile's lse and delta into this consumer's buffer (queries
-            // past the sequence and rows that attend to nothing get lse2 = +inf, so P = 0), and the mask.
-            float(&vec)[2][TILE_M] = sh.vec[consumer][n & 1];
-            for (int c = threadIdx.x % 128; c < TILE_M; c += 128) {
-                const float lse = q0 + c < p.seq_q ? lse_head[q0 + c] : -INFINITY;
-                vec[0][c] = lse == -INFINITY ? INFINITY : lse * LOG2E;
-                vec[1][c] = q0 + c < p.seq_q ? delta_head[q0 + c] : 0.f;
+    // Use n issues S^T_n = K Q_n^T and dP^T_n = V dO_n^T, then (PIPELINED) dV += P^T_{n-1} dO_{n-1} and
+    // dK += dS^T_{n-1} Q_{n-1}, and forms P^T_n and dS^T_n while those run; unpipelined, the gradients of
+    // n - 1 land before S^T_n is issued. Straight-line code around the waits keeps the products asynchronous.
+    // Use n reads ring slot n % STAGES.
+    float st[TILE_M / 8][4], dpt[TILE_M / 8][4];  // S^T (64 keys x TILE_M queries), dP^T
+    unsigned p_frag[TILE_M / 16][4], ds_frag[TILE_M / 16][4];
+    auto issue_scores_of = [&](int n) {
+        sh.q_ring.wait(n);
+        issue_ABt<TILE_M, TILE_N>(st, sh.k + keys * 64, sh.q[n % STAGES]);
+        issue_ABt<TILE_M, TILE_N>(dpt, sh.v + keys * 64, sh.dout[n % STAGES]);
+    };
+    // P^T and dS^T of use n into their fragments once S^T and dP^T have landed; with `behind`, the two
+    // gradient products issued after them may still run (groups complete in order).
+    auto gradients_of = [&](const ColumnWalk& walk, int n, bool behind) {
+        const int2 e = walk.entry();
+        const int h = walk.h(), q0 = e.x * TILE_M;
+        // The partial tile's mask is worked out while the tensor cores run.
+        const unsigned long long keep = mask_bits<true, TILE_M>(p, e.y, b, h, q0, k_tile0, keys + warp * 16, lane);
+        const float* lse2 = sh.stats[n % STAGES][STAT_LSE2];
+        const float* delta = sh.stats[n % STAGES][STAT_DELTA];
+        wgmma_wait_behind<2>(behind);
+        fence_operands(st);
+        fence_operands(dpt);
+        apply_score_mod<true, TILE_M>(
+            p, st, dpt, [&](int c, int jj) { return delta[c * 8 + 2 * t + (jj & 1)]; }, b, h,
+            TilePos<true>(p, q0, k_tile0, keys + warp * 16, lane));
+        if (e.y >= 0) apply_mask<TILE_M>(st, keep);
+#pragma unroll
+        for (int c = 0; c < TILE_M / 8; ++c)
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj) {
+                const int col = c * 8 + 2 * t + (jj & 1);
+                st[c][jj] = exp2f(fmaf(st[c][jj], scale_log2, -lse2[col]));  // P^T
+                dpt[c][jj] = dscore(st[c][jj], dpt[c][jj], delta[col]);    // dS^T
             }
-            const unsigned long long keep =
-                mask_bits<true, TILE_M>(p, e.y, b, h, q0, k_tile0, keys + warp * 16, lane);
-            warpgroup_sync(1 + consumer);  // the buffer is written; the one of use n - 1 stays until n + 1
-            const float* lse2 = vec[0];
-            const float* delta = vec[1];
+    };
+    auto to_fragments = [&] {
+        to_a_fragments<TILE_M>(st, p_frag);
+        to_a_fragments<TILE_M>(dpt, ds_frag);
+    };
+    auto issue_gradients_of = [&](int n) {
+        issue_PB<TILE_M>(dv, p_frag, sh.dout[n % STAGES]);
+        issue_PB<TILE_M>(dk, ds_frag, sh.q[n % STAGES]);
+    };
+    // Waits for dV and dK of use n and hands its ring slot back; the fragments are free again.
+    auto finish_gradients_of = [&](int n) {
+        wgmma_wait<0>();
+        fence_operands(dv);
+        fence_operands(dk);
+        fence_operands(p_frag);
+        fence_operands(ds_frag);
+        sh.q_ring.release(n);
+    };
 
-            wgmma_wait<0>();
-            fence_operands(st);
-            fence_operands(dpt);
-            apply_score_mod<true, TILE_M>(
-                p, st, dpt, [&](int c, int jj) { return delta[c * 8 + 2 * t + (jj & 1)]; }, b, h,
-                TilePos<true>(p, q0, k_tile0, keys + warp * 16, lane));
-            if (e.y >= 0) apply_mask<TILE_M>(st, keep);
-#pragma unroll
-            for (int c = 0; c < TILE_M / 8; ++c)
-#pragma unroll
-                for (int jj = 0; jj < 4; ++jj)
-                    st[c][jj] = exp2f(fmaf(st[c][jj], scale_log2, -lse2[c * 8 + 2 * t + (jj & 1)]));  // P^T
-            unsigned frag[TILE_M / 16][4];
-            to_a_fragments<TILE_M>(st, frag);
-            issue_PB<TILE_M>(dv, frag, dout);
-            // dS^T while dV += P^T dO runs: P^T stays in st, its fragments in frag.
-#pragma unroll
-            for (int c = 0; c < TILE_M / 8; ++c)
-#pragma unroll
-                for (int jj = 0; jj < 4; ++jj)
-                    st[c][jj] = dscore(st[c][jj], dpt[c][jj], delta[c * 8 + 2 * t + (jj & 1)]);
-            wgmma_wait<0>();
-            fence_operands(dv);
-            fence_operands(frag);
-            to_a_fragments<TILE_M>(st, frag);
-            issue_PB<TILE_M>(dk, frag, q);
-            wgmma_wait<0>();
-            fence_operands(dk);
-            fence_operands(frag);
-            sh.q_ring.release(n);
+    ColumnWalk walk(p, b, hk, tile_k);
+    if (!walk.done()) {
+        sh.kv_full.wait(0);
+        issue_scores_of(0);
+        gradients_of(walk, 0, false);
+        to_fragments();
+        int n = 1;
+        for (walk.next(); !walk.done(); walk.next(), ++n) {
+            if constexpr (PIPELINED) {
+                issue_scores_of(n);
+                issue_gradients_of(n - 1);
+            } else {
+                issue_gradients_of(n - 1);
+                finish_gradients_of(n - 1);
+                issue_scores_of(n);
+            }
+            gradients_of(walk, n, PIPELINED);
+            if constexpr (PIPELINED) finish_gradients_of(n - 1);
+            to_fragments();
         }
+        issue_gradients_of(n - 1);
+        finish_gradients_of(n - 1);
     }
 
     const int row0 = k_tile0 + keys + warp * 16;

@@ -1,4 +1,4 @@
-// Block-sparse flash attention, backward pass 1 of 2: dQ, and delta = rowsum(dO * O) for pass 2 (mma.sync).
+// Block-sparse flash attention, backward pass 1 of 2: dQ, and pass 2's row statistics (mma.sync).
 //
 // One CTA per (query tile, query head, batch element), walking the key tiles of its row of the tile table as
 // the forward does. Each warp owns 16 query rows: it recomputes P = exp(S - lse) from Q K^T, forms
@@ -43,8 +43,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         load_tile_async<TILE_M, THREADS>(do_smem, p.dout + b * p.do_sb + h * p.do_sh, p.do_ss, q_tile0, p.seq_q);
     }
     float delta[2], lse2[2];
-    row_delta(p, b, h, row0, lane, delta);
-    row_lse2(p, b, h, row0, lane, lse2);
+    row_stats(p, b, h, row0, lane, lse2, delta);
 
     float dq[HEAD_DIM / 8][4];
     zero(dq);

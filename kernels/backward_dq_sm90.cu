@@ -1,5 +1,5 @@
-// Block-sparse flash attention, backward pass 1 of 2 for Hopper (sm_90a): dQ, and delta = rowsum(dO * O) for
-// pass 2. The structure of forward_sm90.cu: a producer warpgroup copies the Q and dO tiles once and streams
+// Block-sparse flash attention, backward pass 1 of 2 for Hopper (sm_90a): dQ, and pass 2's row statistics
+// (common.cuh's row_stats). The structure of forward_sm90.cu: a producer warpgroup copies the Q and dO tiles once and streams
 // the K and V tiles of the layout's row through two rings; each consumer warpgroup owns 64 query rows,
 // recomputes S = Q K^T and dP = dO V^T with both operands in shared memory, forms dS = P * (dP - delta) in
 // registers and accumulates dQ += dS K with dS as register fragments and K read MN-major, overlapped with the
@@ -62,8 +62,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     const int q_tile0 = tile_q * TILE_M, row0 = q_tile0 + rows + warp * 16;
     const float scale_log2 = softmax_scale(p) * LOG2E;
     float delta[2], lse2[2];
-    row_delta(p, b, h, row0, lane, delta);
-    row_lse2(p, b, h, row0, lane, lse2);
+    row_stats(p, b, h, row0, lane, lse2, delta);
 
     float dq[HEAD_DIM / 8][4];
     zero(dq);

@@ -54,7 +54,8 @@ struct Params {
     elem_t* dq;
     elem_t* dk;
     elem_t* dv;
-    float* delta;        // rowsum(dout * out), written by the dQ pass, read by the dK/dV pass
+    float* stats;        // [B, Hq, 2, padded Sq]: per query row lse * log2(e) and delta = rowsum(dout * out),
+                         // written by the dQ pass, read by the dK/dV pass (STAT_LSE2, STAT_DELTA)
     long long q_sb, q_sh, q_ss;
     long long k_sb, k_sh, k_ss;
     long long v_sb, v_sh, v_ss;
@@ -64,7 +65,7 @@ struct Params {
     long long dk_sb, dk_sh, dk_ss;
     long long dv_sb, dv_sh, dv_ss;
     long long lse_sb, lse_sh;
-    long long delta_sb, delta_sh;
+    long long stats_sb, stats_sh, stats_sr;  // stats_sr: from one statistic to the next, the padded length
     int seq_q, seq_k, heads_q, group;   // group = Hq / Hkv
     int layout_batch, layout_heads;      // 1 (shared) or B / Hq
     int tiles_q, tiles_k;
@@ -568,10 +569,19 @@ __device__ __forceinline__ void apply_mask(float (&s)[COLS / 8][4], unsigned lon
 }
 
 // ---- the backward ------------------------------------------------------------------------------------------
-// delta of the warp's 16 rows from global memory, in fp32. Lanes 2r and 2r + 1 share row r, 8 elements per
-// 16-byte load; the result is returned for rows g and g + 8 (the rows of the thread's accumulators) and
-// written out for pass 2.
-__device__ __forceinline__ void row_delta(const Params& p, int b, int h, int row0, int lane, float (&delta)[2]) {
+enum Stat { STAT_LSE2 = 0, STAT_DELTA = 1 };
+__device__ __forceinline__ float* stat_row(const Params& p, int b, int h, Stat stat) {
+    return p.stats + b * p.stats_sb + h * p.stats_sh + stat * p.stats_sr;
+}
+
+// The dQ pass's statistics of the warp's 16 rows from row0, returned for rows g and g + 8 (the rows of the
+// thread's accumulators) and written out for the dK/dV pass, over the whole padded length (rows past the
+// sequence too, so that a tile copied whole holds no garbage):
+// - delta = rowsum(dO * O) in fp32. Lanes 2r and 2r + 1 share row r, 8 elements per 16-byte load.
+// - lse2 = lse * log2(e): +inf past the sequence and for rows that attend to nothing (lse = -inf), so that
+//   exp2(s - lse2) gives P = 0 there.
+__device__ __forceinline__ void row_stats(const Params& p, int b, int h, int row0, int lane, float (&lse2)[2],
+                                          float (&delta)[2]) {
     const int r = lane >> 1, q = row0 + r;
     float sum = 0.f;
     if (q < p.seq_q) {
@@ -590,21 +600,14 @@ __device__ __forceinline__ void row_delta(const Params& p, int b, int h, int row
         }
     }
     sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    if (!(lane & 1) && q < p.seq_q) p.delta[b * p.delta_sb + h * p.delta_sh + q] = sum;
+    const float lse = q < p.seq_q ? p.lse[b * p.lse_sb + h * p.lse_sh + q] : -INFINITY;
+    const float l2 = lse == -INFINITY ? INFINITY : lse * LOG2E;
+    if (q < p.stats_sr) stat_row(p, b, h, (lane & 1) ? STAT_LSE2 : STAT_DELTA)[q] = (lane & 1) ? l2 : sum;
     const int g = lane >> 2;
     delta[0] = __shfl_sync(0xffffffffu, sum, 2 * g);
     delta[1] = __shfl_sync(0xffffffffu, sum, 2 * (g + 8));
-}
-
-// lse * log2(e) of the rows g and g + 8 of a warp's 16 from row0: +inf past the sequence and for rows that
-// attend to nothing (lse = -inf), so that exp2(s - lse2) gives P = 0 there.
-__device__ __forceinline__ void row_lse2(const Params& p, int b, int h, int row0, int lane, float (&lse2)[2]) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int q = row0 + (lane >> 2) + 8 * r;
-        const float lse = q < p.seq_q ? p.lse[b * p.lse_sb + h * p.lse_sh + q] : -INFINITY;
-        lse2[r] = lse == -INFINITY ? INFINITY : lse * LOG2E;
-    }
+    lse2[0] = __shfl_sync(0xffffffffu, l2, 2 * g);
+    lse2[1] = __shfl_sync(0xffffffffu, l2, 2 * (g + 8));
 }
 
 // The dQ pass's dS = P * (dP - delta) in place of the masked scores s of a warp's rows, P = exp2(s * scale_log2

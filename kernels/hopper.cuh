@@ -21,7 +21,6 @@ namespace csa {
 // pass), rings of STAGES buffers (the builder's HOPPER_STAGES), tiles of whole 64-element panels.
 constexpr int CONSUMERS = 2;
 constexpr int THREADS = (CONSUMERS + 1) * 128;
-constexpr int STAGES = 2;
 static_assert(NWARPS * 32 == THREADS, "one producer and two consumer warpgroups");
 static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM == HEAD_DIM_REAL, "tiles are whole 64-element panels");
 
@@ -92,9 +91,10 @@ struct Ring {
 
 // The kernel's shared struct at the first 1024-byte boundary of dynamic shared memory, which is only
 // guaranteed 16-byte alignment; swizzled tiles need the boundary, and the launch adds 1024 bytes for it.
+// Offsetting the shared array itself (not an integer address) keeps its accesses LDS/STS, not generic.
 template <class T>
 __device__ __forceinline__ T& aligned_shared(unsigned char* raw) {
-    return *reinterpret_cast<T*>((reinterpret_cast<size_t>(raw) + 1023) & ~size_t(1023));
+    return *reinterpret_cast<T*>(raw + ((1024 - (smem_address(raw) & 1023)) & 1023));
 }
 
 // Makes initialised barriers visible to the TMA unit (the async proxy) before the first copy uses them.
@@ -114,6 +114,14 @@ __device__ __forceinline__ void tma_load_tile(elem_t* dst, const TensorMap& map,
         "l"(reinterpret_cast<unsigned long long>(&map)), "r"(0), "r"(row0), "r"(0), "r"(head), "r"(batch),
         "r"(smem_address(&bar))
         : "memory");
+}
+
+// Copies `bytes` (a multiple of 16, from a 16-byte aligned address) into shared memory; completes on `bar`.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, Barrier& bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     smem_address(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_address(&bar))
+                 : "memory");
 }
 
 // The producer's part of a row-walking pass: the K and V tiles (ROWS keys, key/value head hk, batch element b)
@@ -151,10 +159,11 @@ __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
-// Waits for the issued groups, but for the last one when `behind` (groups complete in order).
+// Waits for the issued groups, but for the last BEHIND ones when `behind` (groups complete in order).
+template <int BEHIND = 1>
 __device__ __forceinline__ void wgmma_wait_behind(bool behind) {
     if (behind) {
-        wgmma_wait<1>();
+        wgmma_wait<BEHIND>();
     } else {
         wgmma_wait<0>();
     }

@@ -71,7 +71,7 @@ def run_forward(q, k, v, layout, scale=None):
 
 
 def run_backward(dout, q, k, v, out, lse, layout, scale=None):
-    """The backward kernels on host arrays: (dq, dk, dv, delta) on the host."""
+    """The backward kernels on host arrays: (dq, dk, dv, stats) on the host."""
     torch = _torch()
     from cusparseattn import cuda
 
@@ -80,14 +80,14 @@ def run_backward(dout, q, k, v, out, lse, layout, scale=None):
         dq=_poisoned(t["q"].shape, t["q"].dtype),
         dk=_poisoned(t["k"].shape, t["k"].dtype),
         dv=_poisoned(t["v"].shape, t["v"].dtype),
-        delta=_poisoned(t["q"].shape[:3], torch.float32),
+        stats=_poisoned(cuda.stats_shape(t["q"].shape), torch.float32),
     )
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     h = _wrap(**t, **grads)
-    names = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "delta")
+    names = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "stats")
     cuda.backward(*(h[n] for n in names), layout, scale)
     torch.cuda.synchronize()
-    return tuple(to_host(grads[n]) for n in ("dq", "dk", "dv", "delta"))
+    return tuple(to_host(grads[n]) for n in ("dq", "dk", "dv", "stats"))
 
 
 def hopper_path(monkeypatch, hopper: bool) -> list[str]:

@@ -89,7 +89,8 @@ def fieldwise(tables, score, scale, **arrays) -> bytes:
     for name, holder in arrays.items():
         pointer, prefix = names.get(name, (name, name))
         params[pointer] = holder.data_ptr
-        for suffix, stride in zip(("sb", "sh", "ss"), holder.strides[:-1], strict=False):
+        suffixes = ("sb", "sh", "sr") if name == "stats" else ("sb", "sh", "ss")
+        for suffix, stride in zip(suffixes, holder.strides[:-1], strict=False):
             params[f"{prefix}_{suffix}"] = stride
     q, k = arrays["q"], arrays["k"]
     params["seq_q"], params["seq_k"] = q.shape[2], k.shape[2]
@@ -122,10 +123,11 @@ def test_backward_packs_both_passes_and_a_score_mod(launches):
     seq, dim = 200, 128
     q, dout, out, dq = (Holder((1, 4, seq, dim), address=0x1000 * (i + 1), pad=8 * i) for i in range(4))
     k, v, dk, dv = (Holder((1, 1, seq, dim), address=0x10000 * (i + 1), pad=8 * i) for i in range(4))
-    lse, delta = (Holder((1, 4, seq), dtype="float32", address=0x100000 * (i + 1)) for i in range(2))
+    lse = Holder((1, 4, seq), dtype="float32", address=0x100000)
+    stats = Holder(cuda.stats_shape(q.shape), dtype="float32", address=0x200000)
     layout = patterns.dense(block=64).layout(seq)
     score_mod = mods.score_mod(mods.compose(mods.alibi(mods.alibi_slopes(4)), mods.softcap(30.0)))
-    cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, delta, layout, 0.5, score_mod=score_mod)
+    cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, layout, 0.5, score_mod=score_mod)
     (dq_name, *_, dq_args, _, _), (kv_name, *_, kv_args, _, _) = launches
     assert dq_name.startswith("backward_dq_") and kv_name.startswith("backward_dkdv_")
     score = cuda.score_tables(score_mod, 0)
@@ -133,7 +135,7 @@ def test_backward_packs_both_passes_and_a_score_mod(launches):
         np.float32(score_mod.float_params)
     )
     assert np.frombuffer(score.fields[96:], np.uint64)[0] == score.arrays[0].data.ptr
-    common = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, delta=delta)
+    common = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, stats=stats)
     for kernel, args, outputs in (
         ("backward_dq", dq_args, dict(dq=dq)),
         ("backward_dkdv", kv_args, dict(dk=dk, dv=dv)),
@@ -167,18 +169,17 @@ def test_a_second_call_reuses_the_passes_and_packs_its_own_arrays(launches, monk
         base = 0x100000 * (call + 1)
         q, dout, out, dq = (Holder((1, 4, seq, dim), address=base + 0x1000 * i, pad=8 * i) for i in range(4))
         k, v, dk, dv = (Holder((1, 2, seq, dim), address=base + 0x10000 * (i + 1)) for i in range(4))
-        lse, delta = (
-            Holder((1, 4, seq), dtype="float32", address=base + 0x80000 + 0x1000 * i) for i in range(2)
-        )
+        lse = Holder((1, 4, seq), dtype="float32", address=base + 0x80000)
+        stats = Holder(cuda.stats_shape(q.shape), dtype="float32", address=base + 0x90000)
         q.stream, dout.stream = 0x71 + call, 0x81 + call  # the forward's stream is q's, the backward's dout's
         cuda.forward(q, k, v, out, lse, layout, 0.25)
-        cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, delta, layout, 0.25)
+        cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, layout, 0.25)
         assert sys.modules["cupy"].streams[3 * call :] == [q.stream, dout.stream, dout.stream]
         common = dict(q=q, k=k, v=v, out=out, lse=lse)
         expected = [
             common,
-            dict(common, dout=dout, delta=delta, dq=dq),
-            dict(common, dout=dout, delta=delta, dk=dk, dv=dv),
+            dict(common, dout=dout, stats=stats, dq=dq),
+            dict(common, dout=dout, stats=stats, dk=dk, dv=dv),
         ]
         for (name, *_, args, _, _), arrays in zip(launches[3 * call :], expected, strict=True):
             kernel = name.split("_bf16")[0]
@@ -253,9 +254,9 @@ def test_hopper_backward_passes_take_query_and_key_tiles_of_their_own(launches, 
     seq = 300
     q, dout, out, dq = (Holder((2, 4, seq, head_dim)) for _ in range(4))
     k, v, dk, dv = (Holder((2, 2, seq, head_dim)) for _ in range(4))
-    lse, delta = Holder((2, 4, seq), dtype="float32"), Holder((2, 4, seq), dtype="float32")
+    lse, stats = Holder((2, 4, seq), dtype="float32"), Holder(cuda.stats_shape(q.shape), dtype="float32")
     layout = patterns.causal(block=64).layout(seq)
-    cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, delta, layout, 0.1)
+    cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, layout, 0.1)
     (dq_name, dq_grid, _, dq_args, _, dq_maps), (kv_name, kv_grid, _, kv_args, _, kv_maps) = launches
     assert dq_name.startswith("backward_dq_sm90") and kv_name.startswith("backward_dkdv_sm90")
     assert dq_grid == (3, 4, 2) and kv_grid == (3, 2, 2) and len(dq_args) == len(kv_args) == 5
@@ -270,14 +271,15 @@ def test_a_backward_prepared_ahead_launches_what_the_backward_launches(launches,
     seq, dim = 300, 64
     q, dout, out, dq = (Holder((2, 4, seq, dim), address=0x100000 * (i + 1)) for i in range(4))
     k, v, dk, dv = (Holder((2, 2, seq, dim), address=0x1000000 * (i + 1), pad=8) for i in range(4))
-    lse, delta = (Holder((2, 4, seq), dtype="float32", address=0x10000000 * (i + 1)) for i in range(2))
+    lse = Holder((2, 4, seq), dtype="float32", address=0x10000000)
+    stats = Holder(cuda.stats_shape(q.shape), dtype="float32", address=0x20000000)
     layout = patterns.causal(block=64).layout(seq)
-    cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, delta, layout, 0.1)
+    cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, layout, 0.1)
     direct = [(name, grid, args[0].tobytes(), maps) for name, grid, _, args, _, maps in launches]
     launches.clear()
     ready = cuda.Backward(q, k, v, out, lse, layout, 0.1)
     assert launches == [] and ready.hopper == hopper and ready.accepts(dout)
-    ready.run(dout, dq, dk, dv, delta)
+    ready.run(dout, dq, dk, dv, stats)
     assert [(name, grid, args[0].tobytes(), maps) for name, grid, _, args, _, maps in launches] == direct
     # What it refuses goes the usual way: another shape or dtype, an address the copies cannot read.
     assert not ready.accepts(Holder((2, 4, seq + 1, dim)))

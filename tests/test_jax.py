@@ -201,10 +201,11 @@ def test_gpu_kernels_trace_into_buffer_callbacks(on_gpu, kernels_can_run):
     assert [(e.primitive.name, type(e.params["callback"])) for e in calls] == [
         ("buffer_callback", ca_jax._Kernels)
     ] * 2
-    # The backward asks XLA for the kernels' float32 scratch (delta) too, and drops it.
-    bf16, f32 = ("bfloat16", (1, 2, 24, 8)), ("float32", (1, 2, 24))
+    # The backward asks XLA for the kernels' float32 scratch (stats: two rows of 24 padded to 128) too, and
+    # drops it.
+    bf16, f32, stats = ("bfloat16", (1, 2, 24, 8)), ("float32", (1, 2, 24)), ("float32", (1, 2, 2, 128))
     results = [[(a.dtype.name, a.shape) for a in e.params["result_avals"]] for e in calls]
-    assert results == [[bf16, f32], [bf16, bf16, bf16, f32]]
+    assert results == [[bf16, f32], [bf16, bf16, bf16, stats]]
     assert "pure_callback" not in str(jax.make_jaxpr(jax.jit(loss_and_grad(causal=True)))(q))
 
 
@@ -279,10 +280,10 @@ def held(holders):
 def test_kernel_pass_lends_xla_buffers_and_stream_to_the_kernels(monkeypatch):
     calls = spy_on_cuda(monkeypatch)
     lay = patterns.causal(block=16).layout(24, 40)
-    q4, kv4, row = (1, 4, 24, 8), (1, 2, 40, 8), (1, 4, 24)
+    q4, kv4, row, stats = (1, 4, 24, 8), (1, 2, 40, 8), (1, 4, 24), (1, 4, 2, 128)
     bufs = {n: FakeBuffer(s, 256 * (i + 1)) for i, (n, s) in enumerate(
         [("q", q4), ("k", kv4), ("v", kv4), ("out", q4), ("lse", row), ("dout", q4), ("dq", q4), ("dk", kv4),
-         ("dv", kv4), ("delta", row)]
+         ("dv", kv4), ("stats", stats)]
     )}  # fmt: skip
 
     ca_jax._Kernels("forward", lay, 0.25, None, "bfloat16")(
@@ -298,8 +299,8 @@ def test_kernel_pass_lends_xla_buffers_and_stream_to_the_kernels(monkeypatch):
         ("lse", row, (96, 24, 1), "float32", ("cuda", 1), 1280, 0x5EED),
     ]
 
-    order = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "delta")
-    outputs = tuple(bufs[n] for n in ("dq", "dk", "dv", "delta"))
+    order = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "stats")
+    outputs = tuple(bufs[n] for n in ("dq", "dk", "dv", "stats"))
     ca_jax._Kernels("backward", lay, 0.25, None, "float16")(
         FakeContext(), outputs, *(bufs[n] for n in order[:6])
     )

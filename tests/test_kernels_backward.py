@@ -33,13 +33,17 @@ pytestmark = pytest.mark.gpu
 def assert_backward_matches(q, k, v, layout, dtype, rng, scale=None):
     dout = rng.standard_normal(q.shape).astype(q.dtype)
     out, lse = run_forward(q, k, v, layout, scale)
-    dq, dk, dv, delta = run_backward(dout, q, k, v, out, lse, layout, scale)
+    dq, dk, dv, stats = run_backward(dout, q, k, v, out, lse, layout, scale)
     ref64, low = backward_refs(dout, q, k, v, layout, scale=scale)
     for name, got, want, want_low in zip(("dq", "dk", "dv"), (dq, dk, dv), ref64, low, strict=True):
         check_close(name, got, want, want_low, dtype=dtype)
-    # delta = rowsum(dout * out) of the kernel's own out, in float32.
+    # The dQ pass's statistics of the kernel's own out and lse: delta = rowsum(dout * out) and lse * log2(e),
+    # +inf for rows that attend to nothing.
+    seq_q = q.shape[2]
     want_delta = np.einsum("bhsd,bhsd->bhs", dout.astype(np.float64), out.astype(np.float64))
-    np.testing.assert_allclose(delta, want_delta, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(stats[:, :, 1, :seq_q], want_delta, rtol=1e-4, atol=1e-4)
+    want_lse2 = np.where(lse == -np.inf, np.inf, lse.astype(np.float64) * np.log2(np.e))
+    np.testing.assert_allclose(stats[:, :, 0, :seq_q], want_lse2, rtol=1e-6)
 
 
 @settings(max_examples=50, suppress_health_check=[HealthCheck.too_slow])
@@ -121,10 +125,10 @@ def test_64bit_offsets():
     h = {n: arrays.wrap(t, n) for n, t in names.items()}
     cuda.forward(h["q"], h["k"], h["v"], h["out"], h["lse"], layout, 1 / math.sqrt(dim))
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    delta = torch.empty_like(lse)
-    g = {n: arrays.wrap(t, n) for n, t in dict(dout=dout, dq=dq, dk=dk, dv=dv, delta=delta).items()}
+    stats = torch.empty(cuda.stats_shape(q.shape), device="cuda")
+    g = {n: arrays.wrap(t, n) for n, t in dict(dout=dout, dq=dq, dk=dk, dv=dv, stats=stats).items()}
     cuda.backward(
-        g["dout"], h["q"], h["k"], h["v"], h["out"], h["lse"], g["dq"], g["dk"], g["dv"], g["delta"],
+        g["dout"], h["q"], h["k"], h["v"], h["out"], h["lse"], g["dq"], g["dk"], g["dv"], g["stats"],
         layout, 1 / math.sqrt(dim),
     )  # fmt: skip
     torch.cuda.synchronize()
