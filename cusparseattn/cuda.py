@@ -386,7 +386,8 @@ def _pack(buffer: bytearray, arrays: dict) -> None:
 
 
 def _tiled_tables(kernel: str, layout: BlockLayout, head_dim: int, device: int, score, tiles=None):
-    tiles = tiles or build.tile_config(kernel, head_dim, max_shared(device), score is not None)
+    bits = plan.rule_mode(layout) == "bits"
+    tiles = tiles or build.tile_config(kernel, head_dim, max_shared(device), score is not None, bits)
     return device_tables(layout, tiles[0], tiles[1], device), tiles
 
 

@@ -12,7 +12,7 @@ import types
 import numpy as np
 import pytest
 
-from cusparseattn import build, cuda, mods, patterns, tma
+from cusparseattn import BlockLayout, TokenRule, build, cuda, mods, patterns, tma
 
 
 class FakeDeviceArray:
@@ -260,9 +260,17 @@ def test_hopper_backward_passes_take_query_and_key_tiles_of_their_own(launches, 
     (dq_name, dq_grid, _, dq_args, _, dq_maps), (kv_name, kv_grid, _, kv_args, _, kv_maps) = launches
     assert dq_name.startswith("backward_dq_sm90") and kv_name.startswith("backward_dkdv_sm90")
     assert dq_grid == (3, 4, 2) and kv_grid == (3, 2, 2) and len(dq_args) == len(kv_args) == 5
-    # q, k, v, dout: the dQ pass reads 128 query rows and 64 keys a tile, the dK/dV pass 64 and 128.
-    assert [m[2][1] for m in dq_maps] == [128, 64, 64, 128]
+    # q, k, v, dout: the dQ pass reads 128 query rows and 128 keys (64 at head dim 128) a tile, the dK/dV
+    # pass 64 and 128.
+    keys = 128 if head_dim == 64 else 64
+    assert [m[2][1] for m in dq_maps] == [128, keys, keys, 128]
     assert [m[2][1] for m in kv_maps] == [64, 128, 128, 64]
+    # The same rule with no C expression: the partial tiles carry bit masks, and the dQ pass keys of 64.
+    launches.clear()
+    rule = TokenRule("causal", lambda b, h, q, k: k <= q)
+    bits = BlockLayout(layout.blocks, block_size=64, seq_q=seq, partial=layout.partial, rule=rule)
+    cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, bits, 0.1)
+    assert "_bits" in launches[0][0] and [m[2][1] for m in launches[0][-1]] == [128, 64, 64, 128]
 
 
 @pytest.mark.parametrize("hopper", [True, False])
