@@ -83,8 +83,8 @@ def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int
     if kernel in ARCH:  # the kernel's Shared struct (1024-aligned), and 1024 bytes to align it
         stages, barrier = HOPPER_STAGES[kernel], 8  # an mbarrier is 8 bytes
         payload = {
-            # Q; stages of K and V; full/empty barriers for Q and for each stage of the K and V rings
-            "forward_sm90": 2 * head_dim * (tm + 2 * stages * tn) + barrier * (2 + 4 * stages),
+            # two Q buffers; stages of K and V; full/empty barriers for each buffer of the three rings
+            "forward_sm90": 2 * head_dim * (2 * tm + 2 * stages * tn) + barrier * (4 + 4 * stages),
             # Q and dO; stages of K and V; barriers as the forward's
             "backward_dq_sm90": 2 * head_dim * (2 * tm + 2 * stages * tn) + barrier * (1 + 4 * stages),
             # K and V; stages of Q, dO and their two fp32 statistics; a barrier for K and V and the ring's

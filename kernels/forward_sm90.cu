@@ -4,10 +4,10 @@
 // Persistent: one CTA per SM walks its part of the schedule (plan.work_order: every (batch element, query
 // head, query tile), dealt heaviest row first to the CTA that would be free first), entries blockIdx.x,
 // blockIdx.x + gridDim.x, ... up to a -1. Three warpgroups. The producer gives most of its registers to the
-// others; one of its threads copies each item's Q tile, then the K and V tiles that the layout's row lists
-// into two rings of STAGES buffers (hopper.cuh's Ring); the rings run on across items. K_i is released once
-// S_i has landed, a step before V_i, so the next K copy starts early, and Q once the row's last S has landed,
-// so the next item's Q arrives while this one's output is finished. Each consumer warpgroup owns 64 query
+// others; one of its threads copies each item's Q tile into a ring of two, then the K and V tiles that the
+// layout's row lists into two rings of STAGES buffers (hopper.cuh's Ring); the rings run on across items. K_i
+// is released once S_i has landed, a step before V_i, so the next K copy starts early, and Q once the row's
+// last S has landed; the next item's Q is copied while this one runs. Each consumer warpgroup owns 64 query
 // rows: S = Q K^T from shared memory, then the mask, score mod and online softmax of the mma.sync kernel (a
 // warp holds its accumulators alike), then O += P V with P from registers, overlapped with the next tile's
 // softmax. The two consumers take turns to issue their products, so that one's softmax overlaps the other's
@@ -20,12 +20,14 @@ static_assert(TILE_M == CONSUMERS * 64, "two 64-row consumers");
 static_assert(TILE_N % 16 == 0 && TILE_N <= 256, "a key tile is one wgmma N");
 
 constexpr unsigned Q_BYTES = TILE_M * HEAD_DIM * sizeof(elem_t);
+// Two Q buffers: the next item's Q is copied while this one runs, which short rows (a narrow window) notice.
+constexpr int Q_STAGES = 2;
 
 struct alignas(1024) Shared {
-    elem_t q[TILE_M * HEAD_DIM];
+    elem_t q[Q_STAGES][TILE_M * HEAD_DIM];
     elem_t k[STAGES][TILE_N * HEAD_DIM];
     elem_t v[STAGES][TILE_N * HEAD_DIM];
-    Ring<1> q_ring;
+    Ring<Q_STAGES> q_ring;
     Ring<STAGES> k_ring, v_ring;
 };
 // The builder launches with sizeof(Shared) and 1024 bytes to align it: dynamic shared memory is only
@@ -58,7 +60,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 const WorkItem t = work_item(p, p.work[w], p.tiles_q);
                 const Span span = row_span(p, t.b, t.h, t.tile);
                 if (span.count == 0) continue;
-                tma_load_tile(sh.q, q_map, sh.q_ring.fill(rows_done++, Q_BYTES), t.tile * TILE_M, t.h, t.b);
+                tma_load_tile(sh.q[rows_done % Q_STAGES], q_map, sh.q_ring.fill(rows_done, Q_BYTES), t.tile * TILE_M,
+                              t.h, t.b);
+                ++rows_done;
                 stream_kv<TILE_N>(p, span, t.h / p.group, t.b, sh.k, sh.v, k_map, v_map, sh.k_ring, sh.v_ring,
                                   uses);
                 uses += span.count;
@@ -88,7 +92,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         float alpha[2];
         auto issue_scores_of = [&](int i) {
             sh.k_ring.wait(uses + i);
-            issue_ABt<TILE_N, TILE_M>(sc, sh.q + rows * 64, sh.k[(uses + i) % STAGES]);
+            issue_ABt<TILE_N, TILE_M>(sc, sh.q[rows_done % Q_STAGES] + rows * 64, sh.k[(uses + i) % STAGES]);
         };
         auto issue_output_of = [&](int i) {
             sh.v_ring.wait(uses + i);
