@@ -483,9 +483,8 @@ class Backward:
                 if kernel.startswith("backward_dq"):
                     grid = (tables.plan.tiles_q, heads_q, batch)
                 else:
-                    splits = (
-                        2 if head_dim > 128 else 1
-                    )  # the dK/dV kernel's SPLITS: halves of the head dim past 128
+                    # The dK/dV kernel's SPLITS: halves of the head dim past 128.
+                    splits = 2 if head_dim > 128 else 1
                     grid = (tables.plan.tiles_k, k.shape[1] * splits, batch)
                 maps = _maps(tiles[0], tiles[1], q=q, k=k, v=v) if self.hopper else ()
                 launch = _pass(kernel, grid, tables, score, scale, tiles, q=q, k=k)

@@ -5,9 +5,8 @@
 // through a ring, with their rows' lse and delta (which the dQ pass wrote out): the consumers load nothing.
 // Each consumer warpgroup owns 64 keys and works on transposed scores: S^T = K Q^T and dP^T = V dO^T from
 // shared memory, P^T = exp(S^T - lse) and dS^T in registers, dV += P^T dO and dK += dS^T Q with both as
-// register fragments and Q, dO read MN-major. Both are written once: no atomics, and the
-// heads of a group add up in a fixed order, so two runs give the same bits. Keys no query attends to get zero
-// gradients.
+// register fragments and Q, dO read MN-major. Both are written once: no atomics, and the heads of a group add
+// up in a fixed order, so two runs give the same bits. Keys no query attends to get zero gradients.
 #include "hopper.cuh"
 
 using namespace csa;
@@ -122,8 +121,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         issue_ABt<TILE_M, TILE_N>(st, sh.k + keys * 64, sh.q[n % STAGES]);
         issue_ABt<TILE_M, TILE_N>(dpt, sh.v + keys * 64, sh.dout[n % STAGES]);
     };
-    // P^T and dS^T of use n into their fragments once S^T and dP^T have landed; with `behind`, the two
-    // gradient products issued after them may still run (groups complete in order).
+    // P^T and dS^T of use n, in place of S^T and dP^T, once those have landed; with `behind`, the two gradient
+    // products issued after them may still run (groups complete in order).
     auto gradients_of = [&](const ColumnWalk& walk, int n, bool behind) {
         const int2 e = walk.entry();
         const int h = walk.h(), q0 = e.x * TILE_M;

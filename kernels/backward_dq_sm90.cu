@@ -1,9 +1,9 @@
 // Block-sparse flash attention, backward pass 1 of 2 for Hopper (sm_90a): dQ, and pass 2's row statistics
-// (common.cuh's row_stats). The structure of forward_sm90.cu: a producer warpgroup copies the Q and dO tiles once and streams
-// the K and V tiles of the layout's row through two rings; each consumer warpgroup owns 64 query rows,
-// recomputes S = Q K^T and dP = dO V^T with both operands in shared memory, forms dS = P * (dP - delta) in
-// registers and accumulates dQ += dS K with dS as register fragments and K read MN-major, overlapped with the
-// next tile's dS. dQ is written once: no atomics, so two runs give the same bits.
+// (common.cuh's row_stats). The structure of forward_sm90.cu: a producer warpgroup copies the Q and dO tiles
+// once and streams the K and V tiles of the layout's row through two rings; each consumer warpgroup owns 64
+// query rows, recomputes S = Q K^T and dP = dO V^T with both operands in shared memory, forms
+// dS = P * (dP - delta) in registers and accumulates dQ += dS K with dS as register fragments and K read
+// MN-major, overlapped with the next tile's dS. dQ is written once: no atomics, so two runs give the same bits.
 #include "hopper.cuh"
 
 using namespace csa;

@@ -50,7 +50,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     }
     __syncthreads();
 
-    // Both roles count the items with a row (`rows_done`: uses of the Q buffer) and the K/V tiles so far
+    // Both roles count the items with a row (`rows_done`: uses of the Q ring) and the K/V tiles so far
     // (`uses`: uses of the rings), and so agree on every buffer and barrier phase.
     if (warpgroup == 0) {
         release_registers<24>();
