@@ -99,6 +99,11 @@ def attention_forward(q, k, v, layout=None, *, causal=False, scale=None, backend
     >>> out.dtype, lse.dtype, bool(np.isclose(lse[0, 0, 0], q[0, 0, 0] @ k[0, 0, 0] / np.sqrt(8)))
     (dtype('float64'), dtype('float64'), True)
     """
+    if wrap(q, "q").framework == "torch":
+        from . import torch as adapter
+
+        if not adapter.compiling():
+            return adapter.attention_forward(q, k, v, layout, causal, scale, backend, score_mod)
     inputs = _prepare(q, k, v, layout, causal=causal, scale=scale, score_mod=score_mod)
     return _run(inputs, "forward", backend)
 

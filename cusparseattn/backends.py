@@ -2,7 +2,9 @@
 ``torch.nn.attention`` for SDPA.
 
 Each backend is a `Backend` with a ``name``, ``not_supported_reasons(inputs, op)`` (an empty list when it can
-run ``op``, ``"forward"`` or ``"backward"``, on these inputs) and the ``forward`` / ``backward`` themselves.
+run ``op``, ``"forward"`` or ``"backward"``, on these inputs) and the ``forward`` / ``backward`` themselves;
+optionally ``prepare_forward`` / ``prepare_backward``, the passes made ready once for a call signature, which
+PyTorch's eager calls reuse while the signature repeats.
 Four are registered, in this priority order:
 
 - ``"cuda"``: the CUDA kernels (`cusparseattn.cuda`), for GPU arrays;
@@ -159,44 +161,76 @@ class Backend:
         """``(dq, dk, dv)`` holders in the inputs' framework and device."""
         raise NotImplementedError
 
+    def prepare_forward(self, inputs: Inputs) -> PreparedForward | None:
+        """The forward for ``inputs``' signature, its work that does not depend on the arrays' values or
+        addresses done now, or None where this backend has nothing to do ahead (the default)."""
+        return None
+
     def prepare_backward(self, inputs: Inputs) -> PreparedBackward | None:
-        """The backward over ``inputs`` (q, k, v, out and lse; dout comes later) with its work that does not
-        need dout done now, or None where this backend has nothing to do ahead (the default)."""
+        """The backward for ``inputs``' signature (q, k, v, out and lse; dout comes later), its work that does
+        not depend on the arrays' values or addresses done now, or None (the default)."""
         return None
 
     def __repr__(self) -> str:
         return f"<backend {self.name!r}>"
 
 
+class PreparedForward:
+    """A backend's forward made ready for one call signature (`Backend.prepare_forward`): ``run(inputs)``
+    gives the ``(out, lse)`` holders for inputs of that signature (the same layout, scale and score mod;
+    holders described as the prepared ones were: shapes, strides, dtypes, device, addresses mod 16). It
+    validates and chooses nothing: the caller checks that the inputs match. It holds no array and not the
+    layout, which its caller may keep it longer than."""
+
+    def run(self, inputs: Inputs) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+
 class PreparedBackward:
-    """A backward made ready before its dout exists (`Backend.prepare_backward`): ``run(dout)`` gives the
-    ``(dq, dk, dv)`` holders when ``accepts(dout)``; a dout that it does not accept goes the usual way,
-    through validation and backend selection. It holds no array of the forward: saved-tensor hooks may
-    move those."""
+    """A backend's backward made ready before its dout exists (`Backend.prepare_backward`), for one call
+    signature: ``run(inputs)`` gives the ``(dq, dk, dv)`` holders for inputs of that signature when
+    ``accepts(inputs.dout)`` (the caller checks the rest, as for `PreparedForward`); a dout that it does not
+    accept goes the usual way, through validation and backend selection. It holds no array (saved-tensor
+    hooks may move the forward's) and not the layout."""
 
     def accepts(self, dout: Tensor) -> bool:
         raise NotImplementedError
 
-    def run(self, dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def run(self, inputs: Inputs) -> tuple[Tensor, Tensor, Tensor]:
         raise NotImplementedError
 
 
-class _CudaPrepared(PreparedBackward):
+class _CudaForward(PreparedForward):
+    def __init__(self, launch):
+        self._launch = launch
+
+    def run(self, inputs):
+        import cupy
+
+        q = inputs.q
+        with cupy.cuda.Device(q.device[1]):
+            out, lse = q.empty(q.shape, q.dtype), q.empty(q.shape[:3], "float32")
+            self._launch.run(q, inputs.k, inputs.v, out, lse)
+        out.name, lse.name = "out", "lse"
+        return out, lse
+
+
+class _CudaBackward(PreparedBackward):
     def __init__(self, launch):
         self._launch = launch
 
     def accepts(self, dout):
         return self._launch.accepts(dout)
 
-    def run(self, dout):
+    def run(self, inputs):
         import cupy
 
-        launch = self._launch
-        q_shape, k_shape, dtype = launch.shape, launch.k_shape, launch.dtype
+        launch, q, k = self._launch, inputs.q, inputs.k
         with cupy.cuda.Device(launch.device):
-            dq, dk, dv = dout.empty(q_shape, dtype), dout.empty(k_shape, dtype), dout.empty(k_shape, dtype)
-            stats = dout.empty(launch.stats_shape, "float32")
-            launch.run(dout, dq, dk, dv, stats)
+            dq, dk, dv = q.empty(q.shape, q.dtype), k.empty(k.shape, k.dtype), k.empty(k.shape, k.dtype)
+            stats = q.empty(launch.stats_shape, "float32")  # the dq pass's scratch for the dk/dv pass
+            saved = (inputs.dout, q, k, inputs.v, inputs.out, inputs.lse)
+            launch.run(*saved, dq, dk, dv, stats)
         dq.name, dk.name, dv.name = "dq", "dk", "dv"
         return dq, dk, dv
 
@@ -242,49 +276,21 @@ class CudaBackend(Backend):
         return reasons
 
     def forward(self, inputs):
-        import cupy
-
-        cuda = self._module()
-        q = inputs.q
-        with cupy.cuda.Device(q.device[1]):
-            out = q.empty(q.shape, q.dtype)
-            lse = q.empty(q.shape[:3], "float32")
-            cuda.forward(
-                q, inputs.k, inputs.v, out, lse, inputs.layout, inputs.scale, score_mod=inputs.score_mod
-            )
-        out.name, lse.name = "out", "lse"
-        return out, lse
+        return self.prepare_forward(inputs).run(inputs)
 
     def backward(self, inputs):
-        import cupy
+        return self.prepare_backward(inputs).run(inputs)
 
-        cuda = self._module()
-        q, k = inputs.q, inputs.k
-        with cupy.cuda.Device(q.device[1]):
-            dq, dk, dv = q.empty(q.shape, q.dtype), k.empty(k.shape, k.dtype), k.empty(k.shape, k.dtype)
-            stats = q.empty(cuda.stats_shape(q.shape), "float32")  # the dq pass's scratch for the dk/dv pass
-            saved = (inputs.dout, q, k, inputs.v, inputs.out, inputs.lse)
-            cuda.backward(*saved, dq, dk, dv, stats, inputs.layout, inputs.scale, score_mod=inputs.score_mod)
-        dq.name, dk.name, dv.name = "dq", "dk", "dv"
-        return dq, dk, dv
+    def prepare_forward(self, inputs):
+        launch = self._module().Forward(
+            inputs.q, inputs.k, inputs.v, inputs.layout, inputs.scale, score_mod=inputs.score_mod
+        )
+        return _CudaForward(launch)
 
     def prepare_backward(self, inputs):
-        import cupy
-
-        cuda = self._module()
-        q, k = inputs.q, inputs.k
-        with cupy.cuda.Device(q.device[1]):
-            launch = cuda.Backward(
-                q,
-                k,
-                inputs.v,
-                inputs.out,
-                inputs.lse,
-                inputs.layout,
-                inputs.scale,
-                score_mod=inputs.score_mod,
-            )
-        return _CudaPrepared(launch)
+        q, k, v, layout, mod = inputs.q, inputs.k, inputs.v, inputs.layout, inputs.score_mod
+        launch = self._module().Backward(q, k, v, layout, inputs.scale, score_mod=mod, dout=inputs.dout)
+        return _CudaBackward(launch)
 
 
 class ReferenceBackend(Backend):
@@ -362,6 +368,7 @@ _lock = threading.Lock()  # guards the process-wide state below; readers take on
 _default = _INITIAL
 _state = threading.local()  # .selection: this thread's innermost use_backends block
 _warned: set[str] = set()
+_version = 0  # counts the registry's changes, for `state`
 
 #: Every registered backend by name, in registry order (the default priority order). Read-only:
 #: `register_backend` replaces it with a new mapping, so a reader never sees it change under it.
@@ -382,7 +389,7 @@ def register_backend(backend: Backend, *, priority: int | None = None) -> Backen
     'echo'
     >>> _ = unregister_backend("echo")
     """
-    global BACKENDS
+    global BACKENDS, _version
     if not isinstance(backend, Backend):
         raise TypeError(f"backend must be an instance of a Backend subclass, got {_type_name(backend)}")
     name = backend.name
@@ -398,6 +405,7 @@ def register_backend(backend: Backend, *, priority: int | None = None) -> Backen
         items = list(BACKENDS.items())
         items.insert(len(items) if priority is None else priority, (name, backend))
         BACKENDS = types.MappingProxyType(dict(items))
+        _version += 1
     return backend
 
 
@@ -411,12 +419,13 @@ def unregister_backend(name: str) -> Backend:
     >>> unregister_backend("twin") is twin
     True
     """
-    global BACKENDS
+    global BACKENDS, _version
     with _lock:
         _check_names([name])
         items = dict(BACKENDS)
         backend = items.pop(name)
         BACKENDS = types.MappingProxyType(items)
+        _version += 1
     return backend
 
 
@@ -455,6 +464,12 @@ def _narrowed(base: _Selection, backends, set_priority: bool, function: str) -> 
 
 def _current() -> _Selection:
     return getattr(_state, "selection", None) or _default
+
+
+def state() -> tuple:
+    """What selection depends on besides a call's inputs, as a hashable value: the backends enabled in this
+    thread, their order, and the registry's version. Equal states choose alike for equal inputs."""
+    return _current(), _version
 
 
 def list_backends() -> list[str]:

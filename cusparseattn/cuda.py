@@ -6,7 +6,6 @@ a call then only packs the parameter struct and launches. Nothing here synchroni
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import functools
 import struct
@@ -308,8 +307,8 @@ def _kernel(device: int, *spec_args):
 
 class _Pass:
     """One kernel's launches for one call's sizes: the kernel, its geometry and the parameters that do not
-    change from call to call (tables, sizes, scale, work list) packed ahead. `bind` packs some arrays
-    (holders, named as `_FIELDS`) ahead too, `launch` the rest, on the current device and a given stream.
+    change from call to call (tables, sizes, scale, work list) packed ahead; `launch` adds the arrays
+    (holders, named as `_FIELDS`), on the current device and a given stream.
     The struct is written as bytes at known offsets: a cached call's host time is the budget (setting NumPy
     struct fields one by one cost more than the launch). `work`: a persistent pass's device work list."""
 
@@ -330,17 +329,9 @@ class _Pass:
             struct.pack_into("<i", buffer, _WORK_COUNT, work.size)
         self.params = bytes(buffer)
 
-    def bind(self, **arrays) -> _Pass:
-        """This pass with these arrays packed ahead."""
-        bound = copy.copy(self)
-        buffer = bytearray(self.params)
-        _pack(buffer, arrays)
-        bound.params = bytes(buffer)
-        return bound
-
     def launch(self, stream: int, maps: tuple = (), **arrays) -> None:
-        """Launches on `stream` (a raw handle) over the arrays packed ahead and these; `maps` (TMA
-        descriptors) follow the parameters as kernel arguments."""
+        """Launches on `stream` (a raw handle) over these arrays; `maps` (TMA descriptors) follow the
+        parameters as kernel arguments."""
         buffer = bytearray(self.params)
         _pack(buffer, arrays)
         _launch(self.function, self.grid, self.block, self.shared, stream, (buffer, *maps))
@@ -409,27 +400,45 @@ def forward(
     overrides the portable kernel's tile table, for tuning. On an H100/H200 the Hopper kernel runs where
     `hopper_reasons` allows it.
     """
-    import cupy
+    Forward(q, k, v, layout, scale, score_mod=score_mod, tiles=tiles).run(q, k, v, out, lse)
 
-    batch, heads_q = q.shape[:2]
-    device = q.device[1]
-    kernel = "forward" if tiles or hopper_reasons(q, k, v) else "forward_sm90"
-    stream = q.stream
-    with cupy.cuda.Device(device), _stream(stream):  # the tables' uploads, before the launch that reads them
-        _bind(device)
-        score = score_tables(score_mod, device)
-        tables, tiles = _tiled_tables(kernel, layout, q.shape[3], device, score, tiles)
-        arrays = dict(q=q, k=k, v=v, out=out, lse=lse)
-        if kernel == "forward_sm90":  # persistent: one CTA per SM walks its part of the schedule
-            ctas = min(batch * heads_q * tables.plan.tiles_q, sm_count(device))
-            # Two items per SM to a group: the rows in flight at once come from a few heads.
-            work = tables.work(batch, heads_q, ctas, 2 * sm_count(device))
-            grid = (ctas, 1, 1)
-            maps = _maps(tiles[0], tiles[1], q=q, k=k, v=v)
-            _pass(kernel, grid, tables, score, scale, tiles, work, q=q, k=k).launch(stream, maps, **arrays)
-        else:
-            grid = (tables.plan.tiles_q, heads_q, batch)
-            _pass(kernel, grid, tables, score, scale, tiles, q=q, k=k).launch(stream, **arrays)
+
+class Forward:
+    """The forward's launch for arrays described as `q`, `k` and `v` are (shapes, strides, dtype, device,
+    address mod 16), over a layout, scale and score mod: the kernel, its tables, grid and packed sizes, made
+    once. `run` launches it on any arrays described the same way; PyTorch's eager calls keep one per call
+    signature, so that a repeated call only packs addresses and launches."""
+
+    def __init__(self, q, k, v, layout: BlockLayout, scale: float, *, score_mod=None, tiles=None):
+        import cupy
+
+        batch, heads_q = q.shape[:2]
+        self.device = device = q.device[1]
+        kernel = "forward" if tiles or hopper_reasons(q, k, v) else "forward_sm90"
+        # The tables' uploads, on the stream of the first launch that reads them.
+        with cupy.cuda.Device(device), _stream(q.stream):
+            _bind(device)
+            score = score_tables(score_mod, device)
+            tables, tiles = _tiled_tables(kernel, layout, q.shape[3], device, score, tiles)
+            self.rows, work = {}, None
+            if kernel == "forward_sm90":  # persistent: one CTA per SM walks its part of the schedule
+                ctas = min(batch * heads_q * tables.plan.tiles_q, sm_count(device))
+                # Two items per SM to a group: the rows in flight at once come from a few heads.
+                work = tables.work(batch, heads_q, ctas, 2 * sm_count(device))
+                grid = (ctas, 1, 1)
+                self.rows = {"q": tiles[0], "k": tiles[1], "v": tiles[1]}
+            else:
+                grid = (tables.plan.tiles_q, heads_q, batch)
+            self.launch = _pass(kernel, grid, tables, score, scale, tiles, work, q=q, k=k)
+
+    def run(self, q, k, v, out, lse) -> None:
+        """Writes `out` and `lse` on q's stream."""
+        import cupy
+
+        with cupy.cuda.Device(self.device):
+            _bind(self.device)
+            maps = _maps(self.rows, q=q, k=k, v=v)
+            self.launch.launch(q.stream, maps, q=q, k=k, v=v, out=out, lse=lse)
 
 
 # The backward's statistics scratch pads the query rows to whole tiles of every pass (the Hopper dK/dV pass
@@ -452,20 +461,20 @@ def backward(
 
     Each gradient element is written once by one thread (no atomics): the results are bitwise reproducible.
     """
-    Backward(q, k, v, out, lse, layout, scale, score_mod=score_mod, dout=dout).run(dout, dq, dk, dv, stats)
+    launch = Backward(q, k, v, layout, scale, score_mod=score_mod, dout=dout)
+    launch.run(dout, q, k, v, out, lse, dq, dk, dv, stats)
 
 
 class Backward:
-    """The backward's two passes over q, k, v, out and lse, prepared ahead (tables, TMA descriptors, packed
-    parameters): `run` adds dout, the gradients and the statistics scratch. PyTorch's autograd prepares it in
-    the forward, while the forward's kernel runs, so that the backward's host time before its first launch is
-    short.
+    """The backward's two passes for arrays described as `q`, `k` and `v` are, over a layout, scale and score
+    mod (tables, tiles, grids, packed sizes), made once: `run` launches them on any arrays described the same
+    way. PyTorch's eager calls keep one per call signature, made in the first forward.
 
     The Hopper passes read dout through TMA: without `dout` (not known yet) they are chosen for q, k and v,
     and `accepts` tells whether a dout fits them.
     """
 
-    def __init__(self, q, k, v, out, lse, layout: BlockLayout, scale: float, *, score_mod=None, dout=None):
+    def __init__(self, q, k, v, layout: BlockLayout, scale: float, *, score_mod=None, dout=None):
         import cupy
 
         batch, heads_q, _, head_dim = q.shape
@@ -473,7 +482,6 @@ class Backward:
         self.stats_shape = stats_shape(q.shape)
         self.hopper = not hopper_reasons(q, k, v, dout)
         suffix = "_sm90" if self.hopper else ""
-        arrays = dict(q=q, k=k, v=v, out=out, lse=lse)
         self.passes = []
         with cupy.cuda.Device(self.device):
             _bind(self.device)
@@ -486,9 +494,8 @@ class Backward:
                     # The dK/dV kernel's SPLITS: halves of the head dim past 128.
                     splits = 2 if head_dim > 128 else 1
                     grid = (tables.plan.tiles_k, k.shape[1] * splits, batch)
-                maps = _maps(tiles[0], tiles[1], q=q, k=k, v=v) if self.hopper else ()
-                launch = _pass(kernel, grid, tables, score, scale, tiles, q=q, k=k)
-                self.passes.append((launch.bind(**arrays), maps))
+                rows = {"q": tiles[0], "k": tiles[1], "v": tiles[1], "dout": tiles[0]} if self.hopper else {}
+                self.passes.append((_pass(kernel, grid, tables, score, scale, tiles, q=q, k=k), rows))
 
     def accepts(self, dout) -> bool:
         """Whether the passes can take this dout holder: shaped and typed like q, on its device, and readable
@@ -497,24 +504,23 @@ class Backward:
             return False
         return not tensor_reasons(("dout", dout)) and not (self.hopper and _tma_reasons("dout", dout))
 
-    def run(self, dout, dq, dk, dv, stats) -> None:
+    def run(self, dout, q, k, v, out, lse, dq, dk, dv, stats) -> None:
+        """Writes `dq`, `dk`, `dv` and the scratch `stats` on dout's stream."""
         import cupy
 
-        (dq_pass, dq_maps), (kv_pass, kv_maps) = self.passes
-        stream = dout.stream
+        (dq_pass, dq_rows), (kv_pass, kv_rows) = self.passes
+        stream, read = dout.stream, dict(q=q, k=k, v=v, dout=dout)
+        both = dict(read, out=out, lse=lse, stats=stats)
         with cupy.cuda.Device(self.device):
             _bind(self.device)
-            dout_map = (tma.tile_map(dout, dq_pass.tiles[0]),) if self.hopper else ()
-            dq_pass.launch(stream, dq_maps + dout_map, dout=dout, stats=stats, dq=dq)
-            dout_map = (tma.tile_map(dout, kv_pass.tiles[0]),) if self.hopper else ()
-            kv_pass.launch(stream, kv_maps + dout_map, dout=dout, stats=stats, dk=dk, dv=dv)
+            dq_pass.launch(stream, _maps(dq_rows, **read), dq=dq, **both)
+            kv_pass.launch(stream, _maps(kv_rows, **read), dk=dk, dv=dv, **both)
 
 
-def _maps(tile_m: int, tile_n: int, **arrays) -> tuple:
-    """The TMA descriptors a Hopper kernel takes after its parameters, in its order (q, k, v[, dout]): query
-    rows in tiles of tile_m, key rows in tiles of tile_n."""
-    rows = {"q": tile_m, "dout": tile_m, "k": tile_n, "v": tile_n}
-    return tuple(tma.tile_map(holder, rows[name]) for name, holder in arrays.items())
+def _maps(rows: dict, **arrays) -> tuple:
+    """The TMA descriptors a Hopper kernel takes after its parameters, in the order of `rows` (q, k, v[,
+    dout]; none for a portable kernel): tiles of `rows[name]` rows of each array."""
+    return tuple(tma.tile_map(arrays[name], count) for name, count in rows.items())
 
 
 def classify_blocks(

@@ -37,8 +37,10 @@ import weakref
 
 import torch
 
-from . import api, backends
+from . import api, backends, env
 from .arrays import FixedTensor, TorchTensor, torch_device, torch_dtype_name
+from .layout import BlockLayout
+from .patterns import Pattern
 
 
 class _Registry:
@@ -238,6 +240,17 @@ def attention(
     return (out, lse) if return_lse else out
 
 
+def compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def attention_forward(q, k, v, layout, causal, scale, backend, score_mod) -> tuple:
+    """`cusparseattn.attention_forward` on torch tensors outside ``torch.compile``: ``(out, lse)``, not
+    differentiable, through eager mode's keyed path (a call that repeats a signature neither validates nor
+    chooses again)."""
+    return _eager(q, k, v, layout, causal, scale, backend, score_mod, False, False)
+
+
 # ---- the passes, shared by eager mode and the operators ---------------------------------------------------
 
 
@@ -264,58 +277,141 @@ def _gradients(dout, q, k, v, out, lse, layout, score_mod, scale: float, backend
 
 
 def _eager(q, k, v, layout, causal, scale, backend, score_mod, recompute, backward):
-    """`attention` outside ``torch.compile``: the arguments are checked once, and the passes run without the
-    operators' dispatch. Both had doubled a call's host time, which at S = 4096 exceeded the kernels' time."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(_not_a_tensor(name, f"{type(x).__module__}.{type(x).__qualname__}"))
-    inputs, chosen = _checked(q, k, v, layout, causal, scale, score_mod, backend, backward)
+    """`attention` outside ``torch.compile``: the passes run without the operators' dispatch, and a call that
+    repeats an earlier one's signature (`_signature`) neither validates nor chooses again: it reuses what that
+    call decided and its backend prepared (`_Call`). The dispatch and those steps had each doubled a call's
+    host time, which at S = 4096 exceeded the kernels' time."""
+    key = _signature(q, k, v, layout, causal, scale, backend, score_mod, backward)
+    call = None if key is None else _calls.get(key)
+    inputs = None if call is None else call.inputs(layout, q, k, v)
+    if inputs is None:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(_not_a_tensor(name, f"{type(x).__module__}.{type(x).__qualname__}"))
+        inputs, chosen = _checked(q, k, v, layout, causal, scale, score_mod, backend, backward)
+        call = _Call(inputs, chosen, backend, layout)
+        if key is not None:
+            call.keep(key)
     if not backward:
-        return _outputs(chosen.forward(inputs))
-    return _Attention.apply(q, k, v, inputs, chosen, backend, recompute)
+        return _outputs(call.forward(inputs))
+    return _Attention.apply(q, k, v, inputs, call, recompute)
+
+
+_SCALES = (type(None), float, int)
+
+
+def _signature(q, k, v, layout, causal, scale, backend, score_mod, backward) -> tuple | None:
+    """The key of what validation and backend choice read from a call: the arguments, each tensor's shape,
+    strides, dtype, device and address mod 16, the backends enabled here and the Hopper switch. None for a
+    call that cannot be keyed: a score mod or a mask function (what they capture may change between calls),
+    tensor subclasses, arguments that validation will refuse."""
+    if score_mod is not None or type(causal) is not bool or type(scale) not in _SCALES:
+        return None
+    if not (layout is None or isinstance(layout, (BlockLayout, Pattern))):
+        return None
+    if not (backend is None or isinstance(backend, (str, backends.Backend))):
+        return None
+    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        return None
+    described = [(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in (q, k, v)]
+    return id(layout), causal, scale, backend, backward, backends.state(), env.hopper(), *described
+
+
+# Keyed calls by `_signature`, the oldest first; a call goes when its layout does.
+_calls: dict[tuple, _Call] = {}
+_CALLS_KEPT = 64
+_calls_lock = threading.Lock()
+_UNSET = object()
+
+
+class _Call:
+    """What an eager call decided, for the calls that repeat its signature: the layout and scale it resolved,
+    the backend it chose and what that backend prepared (the forward now; the backward at the first forward
+    that autograd records). It holds its layouts weakly: kept calls must not keep layouts and their device
+    tables alive."""
+
+    def __init__(self, inputs: backends.Inputs, chosen: backends.Backend, backend, layout_arg):
+        self.scale, self.score_mod = inputs.scale, inputs.score_mod
+        self.chosen, self.backend = chosen, backend
+        self._layout = weakref.ref(inputs.layout)
+        self._arg = None if layout_arg is None else weakref.ref(layout_arg)  # its id is in the key
+        self._forward = chosen.prepare_forward(inputs)
+        self._backward = _UNSET
+
+    def keep(self, key: tuple) -> None:
+        with _calls_lock:
+            _calls[key] = self
+            while len(_calls) > _CALLS_KEPT:
+                del _calls[next(iter(_calls))]
+        weakref.finalize(self._layout(), _calls.pop, key, None)
+
+    def inputs(self, layout_arg, q, k, v) -> backends.Inputs | None:
+        """This call's `Inputs` over other tensors of its signature; None when its layout argument was
+        another object of the same id or its layout is gone."""
+        layout = self._layout()
+        if layout is None or (self._arg is None) != (layout_arg is None):
+            return None
+        if self._arg is not None and self._arg() is not layout_arg:
+            return None
+        hq, hk, hv = TorchTensor(q, "q"), TorchTensor(k, "k"), TorchTensor(v, "v")
+        return backends.Inputs(hq, hk, hv, layout, self.scale, score_mod=self.score_mod)
+
+    def forward(self, inputs: backends.Inputs):
+        if self._forward is None:
+            return self.chosen.forward(inputs)
+        return self._forward.run(inputs)
+
+    def prepared_backward(self, inputs: backends.Inputs, held, outputs) -> _Prepared | None:
+        if self._backward is _UNSET:
+            self._backward = _Prepared.make(inputs, held, outputs, self.backend)
+        return self._backward
 
 
 class _Attention(torch.autograd.Function):
     """Eager mode's autograd node (under ``torch.compile``, the operators' registered autograd)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, inputs, chosen, backend, recompute):
-        held = chosen.forward(inputs)
+    def forward(ctx, q, k, v, inputs, call, recompute):
+        held = call.forward(inputs)
         out, lse = _outputs(held)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # lse has no gradient: no zero-filled tensor for it
         # The layout and score mod live as long as the graph that needs them.
         ctx.layout, ctx.score_mod, ctx.scale = inputs.layout, inputs.score_mod, inputs.scale
-        ctx.backend, ctx.recompute = backend, recompute
+        ctx.backend, ctx.recompute = call.backend, recompute
         ctx.save_for_backward(*((q, k, v) if recompute else (q, k, v, out, lse)))
-        ctx.prepared = None if recompute else _Prepared.make(inputs, held, (out, lse), backend)
+        ctx.prepared = None if recompute else call.prepared_backward(inputs, held, (out, lse))
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         if dout is None:  # an undefined gradient of out (torch.autograd.grad may pass one): no gradients
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None
         dout = _last_contiguous(dout)
         q, k, v, *saved = ctx.saved_tensors
-        grads = ctx.prepared and ctx.prepared.gradients(dout, (q, k, v, *saved))
+        grads = ctx.prepared and ctx.prepared.gradients(dout, (q, k, v, *saved), ctx)
         if not grads:
             args = (ctx.layout, ctx.score_mod, ctx.scale, ctx.backend)
             if ctx.recompute:
                 saved = _outputs_of(q, k, v, *args)
             grads = _gradients(dout, q, k, v, *saved, *args)
-        return *grads, None, None, None, None
+        return *grads, None, None, None
+
+
+_SAVED = ("q", "k", "v", "out", "lse")
 
 
 class _Prepared:
-    """Eager mode's backward, prepared in the forward while its kernel runs (`Backend.prepare_backward`):
-    the backward, which PyTorch runs on its autograd thread, then goes from dout to its first launch without
-    validating and choosing again. It is used when autograd hands back the tensors it was prepared for (a
-    saved-tensor hook may hand back others) and the backend accepts dout; otherwise the backward takes the
-    usual path. The backend is chosen under the forward's `use_backends`."""
+    """Eager mode's backward for one call signature, prepared in its first forward
+    (`Backend.prepare_backward`): the backward, which PyTorch runs on its autograd thread, then goes from
+    dout to its first launch without validating and choosing again. It is used when autograd hands back
+    tensors described as the forward's were (a saved-tensor hook may hand back others) and the backend
+    accepts dout; otherwise the backward takes the usual path. The backend is chosen under the forward's
+    `use_backends`."""
 
     def __init__(self, prepared: backends.PreparedBackward, tensors):
-        self.prepared, self.saved = prepared, _identities(tensors)
+        self.prepared, self.saved = prepared, _descriptions(tensors)
 
     @classmethod
     def make(cls, inputs: backends.Inputs, held, outputs, backend) -> _Prepared | None:
@@ -345,16 +441,24 @@ class _Prepared:
         natives = (inputs.q.native, inputs.k.native, inputs.v.native, *outputs)
         return None if prepared is None else cls(prepared, natives)
 
-    def gradients(self, dout: torch.Tensor, tensors) -> tuple | None:
-        if _identities(tensors) != self.saved:
+    def gradients(self, dout: torch.Tensor, tensors, ctx) -> tuple | None:
+        """``(dq, dk, dv)`` from the saved `tensors` (q, k, v, out, lse) and the layout, scale and score mod
+        of the forward's `ctx`; None when they or dout are not what this backward was prepared for."""
+        if _descriptions(tensors) != self.saved:
             return None
         holder = TorchTensor(dout, "dout")
-        return _outputs(self.prepared.run(holder)) if self.prepared.accepts(holder) else None
+        if not self.prepared.accepts(holder):
+            return None
+        q, k, v, out, lse = (TorchTensor(t, name) for t, name in zip(tensors, _SAVED, strict=True))
+        inputs = backends.Inputs(
+            q, k, v, ctx.layout, ctx.scale, score_mod=ctx.score_mod, dout=holder, out=out, lse=lse
+        )
+        return _outputs(self.prepared.run(inputs))
 
 
-def _identities(tensors) -> tuple:
-    """Where each tensor's memory is and how it is laid out: equal for the same memory seen the same way."""
-    return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+def _descriptions(tensors) -> tuple:
+    """How each tensor is laid out, with its address mod 16: what the kernels' choice and copies depend on."""
+    return tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors)
 
 
 def _last_contiguous(dout: torch.Tensor) -> torch.Tensor:

@@ -349,13 +349,13 @@ def spy_on_kernel(monkeypatch) -> dict:
     """Record the stream and device that the CUDA forward launches on."""
     from cusparseattn import cuda
 
-    launched, launch = {}, cuda.forward
+    launched, launch = {}, cuda.Forward.run
 
-    def spy(q, *args, **kwargs):
+    def spy(self, q, *args, **kwargs):
         launched.update(stream=q.stream, device=q.device)
-        return launch(q, *args, **kwargs)
+        return launch(self, q, *args, **kwargs)
 
-    monkeypatch.setattr(cuda, "forward", spy)
+    monkeypatch.setattr(cuda.Forward, "run", spy)
     return launched
 
 

@@ -273,26 +273,42 @@ def test_hopper_backward_passes_take_query_and_key_tiles_of_their_own(launches, 
     assert "_bits" in launches[0][0] and [m[2][1] for m in launches[0][-1]] == [128, 64, 64, 128]
 
 
+def _arrays(seq: int, dim: int, base: int) -> dict:
+    """The holders of one call's forward and backward at addresses from `base` (k, v and their gradients
+    with padded rows)."""
+    names = ("q", "dout", "out", "dq")
+    held = {n: Holder((2, 4, seq, dim), address=base + 0x100000 * i) for i, n in enumerate(names)}
+    for i, n in enumerate(("k", "v", "dk", "dv")):
+        held[n] = Holder((2, 2, seq, dim), address=base + 0x1000000 * (i + 1), pad=8)
+    held["lse"] = Holder((2, 4, seq), dtype="float32", address=base + 0x10000000)
+    held["stats"] = Holder(cuda.stats_shape((2, 4, seq, dim)), dtype="float32", address=base + 0x20000000)
+    return held
+
+
 @pytest.mark.parametrize("hopper", [True, False])
-def test_a_backward_prepared_ahead_launches_what_the_backward_launches(launches, monkeypatch, hopper):
+def test_passes_prepared_once_launch_what_each_call_launches(launches, monkeypatch, hopper):
+    """A Forward and a Backward made for one call's arrays launch, on another call's arrays described alike
+    (addresses apart), exactly what `forward` and `backward` launch on those."""
     monkeypatch.setattr(cuda, "compute_capability", lambda device: 90 if hopper else 80)
     seq, dim = 300, 64
-    q, dout, out, dq = (Holder((2, 4, seq, dim), address=0x100000 * (i + 1)) for i in range(4))
-    k, v, dk, dv = (Holder((2, 2, seq, dim), address=0x1000000 * (i + 1), pad=8) for i in range(4))
-    lse = Holder((2, 4, seq), dtype="float32", address=0x10000000)
-    stats = Holder(cuda.stats_shape(q.shape), dtype="float32", address=0x20000000)
     layout = patterns.causal(block=64).layout(seq)
-    cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, layout, 0.1)
+    first, second = _arrays(seq, dim, 0x40000000), _arrays(seq, dim, 0x80000000)
+    fwd = tuple(second[n] for n in ("q", "k", "v", "out", "lse"))
+    bwd = tuple(second[n] for n in ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "stats"))
+    cuda.forward(*fwd, layout, 0.1)
+    cuda.backward(*bwd, layout, 0.1)
     direct = [(name, grid, args[0].tobytes(), maps) for name, grid, _, args, _, maps in launches]
     launches.clear()
-    ready = cuda.Backward(q, k, v, out, lse, layout, 0.1)
-    assert launches == [] and ready.hopper == hopper and ready.accepts(dout)
-    ready.run(dout, dq, dk, dv, stats)
+    forward = cuda.Forward(first["q"], first["k"], first["v"], layout, 0.1)
+    backward = cuda.Backward(first["q"], first["k"], first["v"], layout, 0.1)
+    assert launches == [] and backward.hopper == hopper and backward.accepts(second["dout"])
+    forward.run(*fwd)
+    backward.run(*bwd)
     assert [(name, grid, args[0].tobytes(), maps) for name, grid, _, args, _, maps in launches] == direct
     # What it refuses goes the usual way: another shape or dtype, an address the copies cannot read.
-    assert not ready.accepts(Holder((2, 4, seq + 1, dim)))
-    assert not ready.accepts(Holder((2, 4, seq, dim), dtype="float16"))
-    assert not ready.accepts(Holder((2, 4, seq, dim), address=0x100008))
+    assert not backward.accepts(Holder((2, 4, seq + 1, dim)))
+    assert not backward.accepts(Holder((2, 4, seq, dim), dtype="float16"))
+    assert not backward.accepts(Holder((2, 4, seq, dim), address=0x100008))
 
 
 def test_each_thread_makes_the_device_context_current_before_its_first_launch(launches):

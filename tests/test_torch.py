@@ -151,26 +151,36 @@ def test_eager_calls_skip_the_operators():
 
 
 class PreparingReference(backends.ReferenceBackend):
-    """The reference under another name, whose backward the forward prepares (`Backend.prepare_backward`);
-    ``runs`` records which way each backward went."""
+    """The reference under another name, which prepares its forward and backward (`Backend.prepare_forward`,
+    `Backend.prepare_backward`); ``prepared`` counts the preparations, ``runs`` records which way each
+    backward went."""
 
-    name, description = "preparing", "the reference, with a prepared backward"
+    name, description = "preparing", "the reference, with prepared passes"
 
     def __init__(self):
-        self.runs = []
+        self.runs, self.prepared = [], {"forward": 0, "backward": 0}
+
+    def prepare_forward(self, inputs):
+        backend = self
+        self.prepared["forward"] += 1
+
+        class Ready(backends.PreparedForward):
+            def run(self, inputs):
+                return backends.ReferenceBackend.forward(backend, inputs)
+
+        return Ready()
 
     def prepare_backward(self, inputs):
-        backend = self
+        backend, strides = self, inputs.out.strides
+        self.prepared["backward"] += 1
 
         class Ready(backends.PreparedBackward):
             def accepts(self, dout):
-                return dout.strides == inputs.out.strides
+                return dout.strides == strides
 
-            def run(self, dout):
+            def run(self, inputs):
                 backend.runs.append("prepared")
-                extra = {"dout": dout, "out": inputs.out, "lse": inputs.lse}
-                both = backends.Inputs(inputs.q, inputs.k, inputs.v, inputs.layout, inputs.scale, **extra)
-                return backends.ReferenceBackend.backward(backend, both)
+                return backends.ReferenceBackend.backward(backend, inputs)
 
         return Ready()
 
@@ -186,24 +196,73 @@ def preparing():
     backends.unregister_backend(backend.name)
 
 
-@pytest.mark.parametrize("how", ["prepared", "hook", "strided_dout", "recompute"])
+def _relaid(t):
+    """The same values laid out anew ([B, S, H, D] in memory; a [B, H, S] lse copied as it is): a saved-tensor
+    hook's copy that the prepared backward was not made for."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2) if t.dim() == 4 else t.clone()
+
+
+@pytest.mark.parametrize("how", ["prepared", "hook_copy", "hook_relaid", "strided_dout", "recompute"])
 def test_eager_backward_runs_what_the_forward_prepared(preparing, how):
-    """The backward takes the prepared way when autograd hands back the saved tensors as they were and the
-    backend accepts dout; otherwise (a saved-tensor hook that copies, a dout it refuses, recompute) the usual
-    way. The gradients are the same either way."""
+    """The backward takes the prepared way when autograd hands back tensors described as the saved ones (a
+    saved-tensor hook's copy is) and the backend accepts dout; otherwise (a copy laid out anew, a dout it
+    refuses, recompute) the usual way. The gradients are the same either way."""
     q, k, v = tensors(Sq=20, Sk=28)
     layout = patterns.causal(block=16).layout(20, 28)
     dout = torch.randn(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype).transpose(1, 2)
     if how != "strided_dout":  # a [B, S, H, D] view, which this backend refuses
         dout = dout.contiguous()
     want = torch.autograd.grad(cusparseattn.attention(q, k, v, layout), (q, k, v), dout)
-    with torch.autograd.graph.saved_tensors_hooks(
-        torch.clone if how == "hook" else (lambda t: t), lambda t: t
-    ):
+    pack = {"hook_copy": torch.clone, "hook_relaid": _relaid}.get(how, lambda t: t)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = ca_torch.attention(q, k, v, layout, backend="preparing", recompute=how == "recompute")
     for got, w in zip(torch.autograd.grad(out, (q, k, v), dout), want, strict=True):
         torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12)
-    assert preparing.runs == ["prepared" if how == "prepared" else "usual"]
+    assert preparing.runs == ["prepared" if how in ("prepared", "hook_copy") else "usual"]
+
+
+def test_repeated_eager_calls_validate_and_prepare_once(preparing):
+    """Calls that repeat a signature (arguments, shapes, strides, dtypes, devices, enabled backends) reuse
+    what the first one decided and prepared, on their own tensors; any change makes a call of its own."""
+    layout = patterns.local(window=16, block=16)
+    sizes = dict(Hq=4, Hkv=2, Sq=40, Sk=40)
+    for seed in range(3):
+        q, k, v = tensors(**sizes, seed=seed)
+        dout = torch.randn(q.shape, dtype=q.dtype)
+        got = torch.autograd.grad(ca_torch.attention(q, k, v, layout, backend="preparing"), (q, k, v), dout)
+        want = torch.autograd.grad(cusparseattn.attention(q, k, v, layout), (q, k, v), dout)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    assert preparing.prepared == {"forward": 1, "backward": 1} and preparing.runs == ["prepared"] * 3
+    q, k, v = tensors(**sizes)
+    changes = [
+        lambda: ca_torch.attention(*(_relaid(x) for x in (q, k, v)), layout, backend="preparing"),
+        lambda: ca_torch.attention(q, k, v, layout, backend="preparing", scale=0.5),
+        lambda: ca_torch.attention(q, k, v, layout, backend="preparing", causal=True),
+        lambda: ca_torch.attention(q, k, v, patterns.local(window=16, block=16), backend="preparing"),
+        lambda: ca_torch.attention(q.float(), k.float(), v.float(), layout, backend="preparing"),
+    ]
+    for count, change in enumerate(changes, start=2):
+        change()
+        assert preparing.prepared["forward"] == count
+    with backends.use_backends("preparing"):
+        ca_torch.attention(q, k, v, layout)
+        ca_torch.attention(q, k, v, layout)
+    assert preparing.prepared["forward"] == len(changes) + 2
+
+
+def test_kept_calls_go_with_their_layout(preparing):
+    """A kept call holds its layout weakly (with it, the layout's device tables): it goes when the layout
+    does, and a later layout at the same address makes a call of its own."""
+    q, k, v = tensors(Sq=40, Sk=48, requires_grad=False)
+    layout = sparse_layout()
+    ca_torch.attention(q, k, v, layout, backend="preparing")
+    kept = len(ca_torch._calls)
+    del layout
+    gc.collect()
+    assert len(ca_torch._calls) == kept - 1
+    ca_torch.attention(q, k, v, sparse_layout(), backend="preparing")
+    assert preparing.prepared["forward"] == 2
 
 
 def test_no_torch_tensor_is_named():
@@ -481,7 +540,7 @@ def test_cuda_forward_and_backward_match_the_reference(case, dtype, cuda_only):
 @pytest.mark.parametrize("hook", [False, True])
 def test_cuda_backward_is_prepared_in_the_forward(cuda_only, monkeypatch, hook):
     """Eager training takes the backward that the forward prepared (unless a saved-tensor hook hands back
-    copies): the same kernels, so the same bits as the functional backward."""
+    copies laid out anew): the same kernels, so the same bits as the functional backward."""
     usual, backward = [], backends.CudaBackend.backward
 
     def record(self, inputs):
@@ -494,7 +553,9 @@ def test_cuda_backward_is_prepared_in_the_forward(cuda_only, monkeypatch, hook):
     q, k, v = (to_device(x).requires_grad_() for x in host)
     dout = torch.randn_like(q)
     layout = patterns.local(window=100, block=64)
-    with torch.autograd.graph.saved_tensors_hooks(torch.clone if hook else (lambda t: t), lambda t: t):
+    # q, k and v are [B, S, H, D] views: contiguous copies are laid out anew.
+    pack = (lambda t: t.contiguous()) if hook else (lambda t: t)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out, lse = ca_torch.attention(q, k, v, layout, return_lse=True)
     out.backward(dout)
     assert len(usual) == hook
