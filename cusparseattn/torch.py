@@ -313,8 +313,8 @@ def _signature(q, k, v, layout, causal, scale, backend, score_mod, backward) -> 
         return None
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
         return None
-    described = [(t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in (q, k, v)]
-    return id(layout), causal, scale, backend, backward, backends.state(), env.hopper(), *described
+    arguments = (id(layout), causal, scale, backend, backward, backends.state(), env.hopper())
+    return arguments + _descriptions((q, k, v))
 
 
 # Keyed calls by `_signature`, the oldest first; a call goes when its layout does.
