@@ -483,7 +483,8 @@ class Backward:
         self.hopper = not hopper_reasons(q, k, v, dout)
         suffix = "_sm90" if self.hopper else ""
         self.passes = []
-        with cupy.cuda.Device(self.device):
+        # The tables' uploads, on the stream of the first launch that reads them (as the forward's).
+        with cupy.cuda.Device(self.device), _stream(q.stream):
             _bind(self.device)
             score = score_tables(score_mod, self.device)
             for kernel in ("backward_dq" + suffix, "backward_dkdv" + suffix):
