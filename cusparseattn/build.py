@@ -450,7 +450,8 @@ def nvrtc_compile(lib, source: str, arch: str, include: str) -> str:
 
 def check(archs: list[str]) -> int:
     """Compile every spec with nvcc for each arch (registers, spills) and with NVRTC where libnvrtc is
-    installed (the run-time path). Fails on an error or a spill. Needs nvcc, no GPU."""
+    installed (the run-time path). Fails on an error, a spill or warpgroup MMAs that ptxas serialized.
+    Needs nvcc, no GPU."""
     import os
     import shutil
     import subprocess
@@ -475,6 +476,8 @@ def check(archs: list[str]) -> int:
         problems = [res.stderr] if res.returncode else []
         if any(spills):
             problems.append(f"register spills {spills}")
+        # ptxas waits for each warpgroup MMA where the code around one would read its registers in flight.
+        problems += re.findall(r"\(C75\d\d\).*", res.stderr)
         if lib is not None and last:  # NVRTC's front end is the same for every arch: once per spec
             try:
                 nvrtc_compile(lib, spec.source(), arch, include)

@@ -303,7 +303,7 @@ def local(window: int, causal: bool = True, *, block=128) -> Pattern:
         rule = TokenRule(
             f"local({w}, two-sided)",
             lambda b, h, q, k: (q - k < w) & (k - q < w),
-            c_expr="q - k < P0 && k - q < P0",
+            c_expr="q - k < P0 && q - k > -P0",  # one difference for both bounds
             params=(w,),
         )
         return _classified((dmin < w) & (dmax > -w), (dmin > -w) & (dmax < w), rule, bs, sq, sk, exact=True)

@@ -108,13 +108,39 @@ __device__ __forceinline__ Span column_span(const Params& p, int b, int h, int t
     return {p.col_ptr[line], p.col_ptr[line + 1] - p.col_ptr[line]};
 }
 
-// A persistent pass's work item: item = (b * heads_q + h) * tiles + tile, as cuda.py's work list holds them.
-struct WorkItem {
-    int tile, h, b;
+// A persistent pass's work item with its row of the layout: batch element, query head, first query and the
+// row's span of entries.
+struct Row {
+    int b, h, q0, begin, end;
 };
-__device__ __forceinline__ WorkItem work_item(const Params& p, int item, int tiles) {
-    return {item % tiles, (item / tiles) % p.heads_q, item / (tiles * p.heads_q)};
-}
+
+// A persistent CTA's work items: entries blockIdx.x, blockIdx.x + gridDim.x, ... of the work list (cuda.py:
+// item = (b * heads_q + h) * tiles_q + tile), up to a -1. Read ahead: when one starts, the next one's row and
+// the item after it are already loaded, so no item waits on a global load to begin.
+struct Walk {
+    int w, ahead;  // ahead: the item at w + gridDim.x, -1 past the last
+    Row next;      // the item at w; b = -1 past the last
+
+    __device__ __forceinline__ static int item_at(const Params& p, int w) {
+        return w < p.work_count ? p.work[w] : -1;
+    }
+    __device__ __forceinline__ static Row row_of(const Params& p, int item) {
+        if (item < 0) return {-1, 0, 0, 0, 0};
+        const int tile = item % p.tiles_q, h = (item / p.tiles_q) % p.heads_q, b = item / (p.tiles_q * p.heads_q);
+        const int line = layout_line(p, b, h) * p.tiles_q + tile;
+        return {b, h, tile * TILE_M, p.row_ptr[line], p.row_ptr[line + 1]};
+    }
+    __device__ __forceinline__ explicit Walk(const Params& p)
+        : w(blockIdx.x), ahead(item_at(p, blockIdx.x + gridDim.x)), next(row_of(p, item_at(p, blockIdx.x))) {}
+    __device__ __forceinline__ bool done() const { return next.b < 0; }
+    __device__ __forceinline__ Row take(const Params& p) {
+        const Row row = next;
+        next = row_of(p, ahead);
+        w += gridDim.x;
+        ahead = item_at(p, w + gridDim.x);
+        return row;
+    }
+};
 
 // The query tile of a CTA of the row-walking passes (grid: query tiles, query heads, batch elements): the
 // heaviest rows of causal-like layouts are the last ones, so they start first.
