@@ -111,7 +111,7 @@ __device__ __forceinline__ Span column_span(const Params& p, int b, int h, int t
 // A persistent pass's work item with its row of the layout: batch element, query head, first query and the
 // row's span of entries.
 struct Row {
-    int b, h, q0, begin, end;
+    int b, h, q0, begin, end;  // end, not a count: taking a row does no arithmetic on loads still in flight
 };
 
 // A persistent CTA's work items: entries blockIdx.x, blockIdx.x + gridDim.x, ... of the work list (cuda.py:

@@ -98,13 +98,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         sh.v_ring.release(use);
     };
 
-    // `last`: the row whose last O += P V is still to be issued (its o, sm and pa are live), if `open`; the
-    // next row's first turn issues it, or the turn after the loop. The consumers take turns to issue
-    // (ping-pong), consumer 0 first; the last turn of consumer 1 is not passed on, so every wait meets exactly
-    // one arrival.
+    // Once a row has run (rows_done > 0), `last` is the one whose last O += P V, ring use uses - 1, is still to
+    // be issued (its o, sm and pa are live): the next row's first turn issues it, or the turn after the loop.
+    // The consumers take turns to issue (ping-pong), consumer 0 first; the last turn of consumer 1 is not
+    // passed on, so every wait meets exactly one arrival.
     Row last{};
-    bool open = false;
-    int last_use = 0, rows_done = 0, uses = 0;
+    int rows_done = 0, uses = 0;
     for (Walk walk(p); !walk.done();) {
         const Row row = walk.take(p);
         const int b = row.b, h = row.h, count = row.end - row.begin;
@@ -137,13 +136,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         // row's O += P V first instead and writes that row out while S_0 is in flight. Straight-line code
         // around the waits lets ptxas keep the products asynchronous.
         sh.q_ring.wait(rows_done);
-        if (open) {
+        if (rows_done > 0) {
             take_turn(consumer);
-            issue_output_of(last_use);
+            issue_output_of(uses - 1);
             issue_scores_of(rows_done, uses);
             pass_turn(consumer);
             wgmma_wait<1>();
-            finish_output_of(last_use);
+            finish_output_of(uses - 1);
             finish_rows(p, sm, o, last.b, last.h, last.q0 + rows, lane);
         } else {
             if (consumer == 1) pass_turn(consumer);
@@ -167,17 +166,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             to_a_fragments<TILE_N>(sc, pa);
         }
         last = row;
-        open = true;
-        last_use = uses + count - 1;
         ++rows_done;
         uses += count;
     }
-    if (open) {
+    if (rows_done > 0) {
         take_turn(consumer);
-        issue_output_of(last_use);
+        issue_output_of(uses - 1);
         if (consumer == 0) pass_turn(consumer);
         wgmma_wait<0>();
-        finish_output_of(last_use);
+        finish_output_of(uses - 1);
         finish_rows(p, sm, o, last.b, last.h, last.q0 + rows, lane);
     }
 }
