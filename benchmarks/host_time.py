@@ -36,8 +36,7 @@ STAGES = [
     ("backends", "_CudaBackward.run"),
     ("cuda", "hopper_reasons"),
     ("cuda", "_tiled_tables"),
-    ("cuda", "_maps"),
-    ("cuda", "_Pass.launch"),
+    ("cuda", "_Bound.launch"),
     ("cuda", "_launch"),
 ]
 

@@ -45,7 +45,7 @@ def _type_name(x) -> str:
     return f"{type(x).__module__}.{type(x).__qualname__}"
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for n in reversed(shape):
         strides.append(step)
@@ -286,15 +286,20 @@ class TorchTensor(_Described):
             return np.from_dlpack(t.view(torch.uint16)).view(DTYPES["bfloat16"])
         return np.from_dlpack(t)
 
+    @classmethod
+    def known(cls, native, name: str, shape, strides, dtype: str, device: Device) -> TorchTensor:
+        """A holder of `native` as the caller describes it (its shape, strides, dtype name and device, read
+        or chosen before): asking the tensor costs microseconds a holder, and a call makes several."""
+        held = cls.__new__(cls)
+        Tensor.__init__(held, native, name)
+        held._describe(shape, strides, dtype, device)
+        return held
+
     def empty(self, shape, dtype):
         import torch
 
         t = self.native.new_empty(shape, dtype=getattr(torch, dtype))
-        # Described without asking the new tensor: kernel outputs are allocated several times a call.
-        held = TorchTensor.__new__(TorchTensor)
-        Tensor.__init__(held, t, self.name)
-        held._describe(shape, _contiguous_strides(shape), dtype, self._device)
-        return held
+        return TorchTensor.known(t, self.name, shape, contiguous_strides(shape), dtype, self._device)
 
     def from_numpy(self, arr):
         import torch
@@ -352,7 +357,7 @@ class JaxTensor(Tensor):
 
     @property
     def strides(self):
-        return _contiguous_strides(self.shape)  # JAX arrays are dense and row-major
+        return contiguous_strides(self.shape)  # JAX arrays are dense and row-major
 
     @property
     def dtype(self):
@@ -451,7 +456,7 @@ class XlaBuffer(FixedTensor):
         shape = tuple(interface["shape"])
         strides = interface.get("strides")
         itemsize = DTYPES[dtype].itemsize
-        strides = _contiguous_strides(shape) if strides is None else tuple(s // itemsize for s in strides)
+        strides = contiguous_strides(shape) if strides is None else tuple(s // itemsize for s in strides)
         device = ("cuda", native.__dlpack_device__()[1])
         super().__init__(native, name, shape, strides, dtype, device, interface["data"][0], stream)
 

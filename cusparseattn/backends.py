@@ -190,8 +190,9 @@ class PreparedBackward:
     """A backend's backward made ready before its dout exists (`Backend.prepare_backward`), for one call
     signature: ``run(inputs)`` gives the ``(dq, dk, dv)`` holders for inputs of that signature when
     ``accepts(inputs.dout)`` (the caller checks the rest, as for `PreparedForward`); a dout that it does not
-    accept goes the usual way, through validation and backend selection. It holds no array (saved-tensor
-    hooks may move the forward's) and not the layout."""
+    accept goes the usual way, through validation and backend selection. Its answer must depend only on
+    dout's description (shape, strides, dtype, device, address mod 16): callers keep it for douts described
+    alike. It holds no array (saved-tensor hooks may move the forward's) and not the layout."""
 
     def accepts(self, dout: Tensor) -> bool:
         raise NotImplementedError
@@ -205,12 +206,9 @@ class _CudaForward(PreparedForward):
         self._launch = launch
 
     def run(self, inputs):
-        import cupy
-
         q = inputs.q
-        with cupy.cuda.Device(q.device[1]):
-            out, lse = q.empty(q.shape, q.dtype), q.empty(q.shape[:3], "float32")
-            self._launch.run(q, inputs.k, inputs.v, out, lse)
+        out, lse = q.empty(q.shape, q.dtype), q.empty(q.shape[:3], "float32")
+        self._launch.run(q, inputs.k, inputs.v, out, lse)
         out.name, lse.name = "out", "lse"
         return out, lse
 
@@ -223,14 +221,10 @@ class _CudaBackward(PreparedBackward):
         return self._launch.accepts(dout)
 
     def run(self, inputs):
-        import cupy
-
         launch, q, k = self._launch, inputs.q, inputs.k
-        with cupy.cuda.Device(launch.device):
-            dq, dk, dv = q.empty(q.shape, q.dtype), k.empty(k.shape, k.dtype), k.empty(k.shape, k.dtype)
-            stats = q.empty(launch.stats_shape, "float32")  # the dq pass's scratch for the dk/dv pass
-            saved = (inputs.dout, q, k, inputs.v, inputs.out, inputs.lse)
-            launch.run(*saved, dq, dk, dv, stats)
+        dq, dk, dv = q.empty(q.shape, q.dtype), k.empty(k.shape, k.dtype), k.empty(k.shape, k.dtype)
+        stats = q.empty(launch.stats_shape, "float32")  # the dq pass's scratch for the dk/dv pass
+        launch.run(inputs.dout, q, k, inputs.v, inputs.out, inputs.lse, dq, dk, dv, stats)
         dq.name, dk.name, dv.name = "dq", "dk", "dv"
         return dq, dk, dv
 
@@ -288,8 +282,11 @@ class CudaBackend(Backend):
         return _CudaForward(launch)
 
     def prepare_backward(self, inputs):
-        q, k, v, layout, mod = inputs.q, inputs.k, inputs.v, inputs.layout, inputs.score_mod
-        launch = self._module().Backward(q, k, v, layout, inputs.scale, score_mod=mod, dout=inputs.dout)
+        # The outputs it makes are C-contiguous: only the arrays it is handed are bound as they are.
+        given = dict(dout=inputs.dout, out=inputs.out, lse=inputs.lse)
+        launch = self._module().Backward(
+            inputs.q, inputs.k, inputs.v, inputs.layout, inputs.scale, score_mod=inputs.score_mod, **given
+        )
         return _CudaBackward(launch)
 
 

@@ -15,6 +15,7 @@ import weakref
 import numpy as np
 
 from . import build, env, plan, tma
+from .arrays import contiguous_strides
 from .layout import BlockLayout
 
 MIN_COMPUTE_CAPABILITY = 80  # mma.sync with bf16, cp.async, ldmatrix
@@ -282,14 +283,13 @@ def _offset(field: str) -> int:
     return build.PARAMS.fields[field][1]
 
 
-# Where each array argument's pointer and strides go in Params (byte offsets), and how many strides it has.
-_FIELDS = {
-    name: (_offset(pointer), _offset(f"{prefix}_sb"), ndim)
-    for name, (pointer, prefix, ndim) in {
-        "q": ("q", "q", 3), "k": ("k", "k", 3), "v": ("v", "v", 3), "out": ("o", "o", 3),
-        "dout": ("dout", "do", 3), "dq": ("dq", "dq", 3), "dk": ("dk", "dk", 3), "dv": ("dv", "dv", 3),
-        "lse": ("lse", "lse", 2), "stats": ("stats", "stats", 3),
-    }.items()
+# The arrays a pass reads and writes, in the order of their pointers, which open Params.
+ARRAYS = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv", "stats")
+# Where each array's strides go in Params (byte offsets), and how many it has.
+_STRIDES = {
+    "q": ("q_sb", 3), "k": ("k_sb", 3), "v": ("v_sb", 3), "out": ("o_sb", 3), "lse": ("lse_sb", 2),
+    "dout": ("do_sb", 3), "dq": ("dq_sb", 3), "dk": ("dk_sb", 3), "dv": ("dv_sb", 3),
+    "stats": ("stats_sb", 3),
 }  # fmt: skip
 _SIZES = _offset("seq_q")  # seq_q, seq_k, heads_q, group: four int32 in a row
 _SCALE = _offset("scale")
@@ -307,10 +307,8 @@ def _kernel(device: int, *spec_args):
 
 class _Pass:
     """One kernel's launches for one call's sizes: the kernel, its geometry and the parameters that do not
-    change from call to call (tables, sizes, scale, work list) packed ahead; `launch` adds the arrays
-    (holders, named as `_FIELDS`), on the current device and a given stream.
-    The struct is written as bytes at known offsets: a cached call's host time is the budget (setting NumPy
-    struct fields one by one cost more than the launch). `work`: a persistent pass's device work list."""
+    change from call to call (tables, sizes, scale, work list) packed ahead. `work`: a persistent pass's
+    device work list. `bind` makes its launches over arrays of given strides."""
 
     def __init__(self, kernel: str, grid, tables: DeviceTables, score, scale: float, tiles, work, q, k):
         self.kernel, self.grid, self.tiles = kernel, grid, tiles
@@ -329,31 +327,55 @@ class _Pass:
             struct.pack_into("<i", buffer, _WORK_COUNT, work.size)
         self.params = bytes(buffer)
 
-    def launch(self, stream: int, maps: tuple = (), **arrays) -> None:
-        """Launches on `stream` (a raw handle) over these arrays; `maps` (TMA descriptors) follow the
-        parameters as kernel arguments."""
-        buffer = bytearray(self.params)
-        _pack(buffer, arrays)
-        _launch(self.function, self.grid, self.block, self.shared, stream, (buffer, *maps))
+    def bind(self, arrays: dict, rows: dict) -> _Bound:
+        return _Bound(self, arrays, rows)
 
 
-def _launch(function, grid, block, shared: int, stream: int, args: tuple) -> None:
-    """cuLaunchKernel of a loaded kernel on a raw stream handle; `args` hold the bytes of each argument (the
-    parameter struct, TMA descriptors), in order. The values and the table of their addresses go in one
-    buffer: CuPy's kernel call, which converts each argument, cost 13 us a launch against the driver's 8."""
+class _Bound:
+    """A pass's launches over arrays described as `arrays` are (name -> holder, `ARRAYS` a prefix of the
+    names): the parameters with every stride packed, and the TMA descriptors of the `rows` arrays (a Hopper
+    kernel's: tiles of ``rows[name]`` rows) by address. A launch then writes the arrays' addresses alone into
+    the kernel's argument buffer, which it keeps: a prepared call's host time is the budget, and building
+    the arguments anew cost more than the driver's launch on PyTorch's autograd thread."""
+
+    def __init__(self, launch: _Pass, arrays: dict, rows: dict):
+        self.kernel, self._pass = launch.kernel, launch  # which holds the device arrays it points to
+        if tuple(arrays) != ARRAYS[: len(arrays)]:
+            raise ValueError(f"a pass binds the arrays {ARRAYS} in order, got {tuple(arrays)}")
+        params = bytearray(launch.params)
+        for name, holder in arrays.items():
+            field, ndim = _STRIDES[name]
+            struct.pack_into(f"<{ndim}q", params, _offset(field), *holder.strides[:ndim])
+        self._pointers = f"<{len(arrays)}Q"
+        slots = {name: i for i, name in enumerate(arrays)}
+        self._maps = tuple((slots[name], tma.TileMaps(arrays[name], count)) for name, count in rows.items())
+        # The arguments (parameters, then descriptors) in one buffer, and the table of their addresses.
+        self._values = ctypes.create_string_buffer(bytes(params), len(params) + MAP_BYTES * len(rows))
+        base = ctypes.addressof(self._values)
+        self._map_at = [base + len(params) + MAP_BYTES * i for i in range(len(rows))]
+        self._table = (ctypes.c_void_p * (1 + len(rows)))(base, *self._map_at)
+        self._target = (launch.function.kernel.ptr, launch.grid, launch.block, launch.shared)
+        self._lock = threading.Lock()  # one launch at a time writes the buffer
+
+    def launch(self, stream: int, addresses: tuple) -> None:
+        """Launches on `stream` (a raw handle) over arrays at these addresses (in the order bound)."""
+        with self._lock:
+            struct.pack_into(self._pointers, self._values, 0, *addresses)
+            for (slot, tile_map), at in zip(self._maps, self._map_at, strict=True):
+                ctypes.memmove(at, tile_map(addresses[slot]), MAP_BYTES)
+            _launch(*self._target, stream, self._table)
+
+
+MAP_BYTES = tma.TENSOR_MAP.itemsize
+
+
+def _launch(kernel: int, grid, block, shared: int, stream: int, table) -> None:
+    """cuLaunchKernel of a loaded kernel (its CUfunction handle) on a raw stream handle; `table` holds the
+    address of each argument's bytes, in order (the driver copies them before it returns). CuPy's kernel
+    call, which converts each argument, cost 13 us a launch against the driver's 8."""
     import cupy
 
-    views = [memoryview(a) for a in args]
-    table = sum(view.nbytes for view in views)
-    buffer = bytearray(table + 8 * len(views))
-    base = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-    offset, addresses = 0, []
-    for view in views:
-        buffer[offset : offset + view.nbytes] = view
-        addresses.append(base + offset)
-        offset += view.nbytes
-    struct.pack_into(f"<{len(args)}Q", buffer, table, *addresses)
-    cupy.cuda.driver.launchKernel(function.kernel.ptr, *grid, *block, shared, stream, base + table, 0)
+    cupy.cuda.driver.launchKernel(kernel, *grid, *block, shared, stream, ctypes.addressof(table), 0)
 
 
 def _pass(kernel: str, grid, tables: DeviceTables, score, scale: float, tiles, work=None, *, q, k) -> _Pass:
@@ -369,17 +391,24 @@ def _pass(kernel: str, grid, tables: DeviceTables, score, scale: float, tiles, w
     return made
 
 
-def _pack(buffer: bytearray, arrays: dict) -> None:
-    for name, holder in arrays.items():
-        pointer, strides, ndim = _FIELDS[name]
-        struct.pack_into("<Q", buffer, pointer, holder.data_ptr)
-        struct.pack_into(f"<{ndim}q", buffer, strides, *holder.strides[:ndim])
-
-
 def _tiled_tables(kernel: str, layout: BlockLayout, head_dim: int, device: int, score, tiles=None):
     bits = plan.rule_mode(layout) == "bits"
     tiles = tiles or build.tile_config(kernel, head_dim, max_shared(device), score is not None, bits)
     return device_tables(layout, tiles[0], tiles[1], device), tiles
+
+
+class _Like:
+    """A stand-in for an array not made yet (an output, the backward's dout): C-contiguous, of a shape and
+    dtype; what binding a pass reads of an array."""
+
+    def __init__(self, shape: tuple, dtype: str):
+        self.shape, self.dtype, self.strides = tuple(shape), dtype, contiguous_strides(shape)
+
+
+def _bound_arrays(names: tuple, given: dict, made: dict) -> dict:
+    """The arrays a pass binds, by name in `ARRAYS` order: those `given` (not None), else the stand-ins
+    `made`."""
+    return {name: made[name] if given.get(name) is None else given[name] for name in names}
 
 
 def forward(
@@ -400,16 +429,20 @@ def forward(
     overrides the portable kernel's tile table, for tuning. On an H100/H200 the Hopper kernel runs where
     `hopper_reasons` allows it.
     """
-    Forward(q, k, v, layout, scale, score_mod=score_mod, tiles=tiles).run(q, k, v, out, lse)
+    launch = Forward(q, k, v, layout, scale, score_mod=score_mod, tiles=tiles, out=out, lse=lse)
+    launch.run(q, k, v, out, lse)
 
 
 class Forward:
-    """The forward's launch for arrays described as `q`, `k` and `v` are (shapes, strides, dtype, device,
-    address mod 16), over a layout, scale and score mod: the kernel, its tables, grid and packed sizes, made
-    once. `run` launches it on any arrays described the same way; PyTorch's eager calls keep one per call
-    signature, so that a repeated call only packs addresses and launches."""
+    """The forward's launch for arrays described as `q`, `k`, `v`, `out` and `lse` are (shapes, strides,
+    dtype, device, address mod 16; `out` and `lse` C-contiguous unless given), over a layout, scale and
+    score mod: the kernel, its tables, grid and packed parameters, made once. `run` launches it on any
+    arrays described the same way; PyTorch's eager calls keep one per call signature, so that a repeated
+    call only writes addresses and launches."""
 
-    def __init__(self, q, k, v, layout: BlockLayout, scale: float, *, score_mod=None, tiles=None):
+    def __init__(
+        self, q, k, v, layout: BlockLayout, scale: float, *, score_mod=None, tiles=None, out=None, lse=None
+    ):
         import cupy
 
         batch, heads_q = q.shape[:2]
@@ -420,16 +453,18 @@ class Forward:
             _bind(device)
             score = score_tables(score_mod, device)
             tables, tiles = _tiled_tables(kernel, layout, q.shape[3], device, score, tiles)
-            self.rows, work = {}, None
+            rows, work = {}, None
             if kernel == "forward_sm90":  # persistent: one CTA per SM walks its part of the schedule
                 ctas = min(batch * heads_q * tables.plan.tiles_q, sm_count(device))
                 # Two items per SM to a group: the rows in flight at once come from a few heads.
                 work = tables.work(batch, heads_q, ctas, 2 * sm_count(device))
                 grid = (ctas, 1, 1)
-                self.rows = {"q": tiles[0], "k": tiles[1], "v": tiles[1]}
+                rows = {"q": tiles[0], "k": tiles[1], "v": tiles[1]}
             else:
                 grid = (tables.plan.tiles_q, heads_q, batch)
-            self.launch = _pass(kernel, grid, tables, score, scale, tiles, work, q=q, k=k)
+            made = {"out": _Like(q.shape, q.dtype), "lse": _Like(q.shape[:3], "float32")}
+            arrays = _bound_arrays(ARRAYS[:5], dict(q=q, k=k, v=v, out=out, lse=lse), made)
+            self.launch = _pass(kernel, grid, tables, score, scale, tiles, work, q=q, k=k).bind(arrays, rows)
 
     def run(self, q, k, v, out, lse) -> None:
         """Writes `out` and `lse` on q's stream."""
@@ -437,8 +472,7 @@ class Forward:
 
         with cupy.cuda.Device(self.device):
             _bind(self.device)
-            maps = _maps(self.rows, q=q, k=k, v=v)
-            self.launch.launch(q.stream, maps, q=q, k=k, v=v, out=out, lse=lse)
+            self.launch.launch(q.stream, (q.data_ptr, k.data_ptr, v.data_ptr, out.data_ptr, lse.data_ptr))
 
 
 # The backward's statistics scratch pads the query rows to whole tiles of every pass (the Hopper dK/dV pass
@@ -461,28 +495,37 @@ def backward(
 
     Each gradient element is written once by one thread (no atomics): the results are bitwise reproducible.
     """
-    launch = Backward(q, k, v, layout, scale, score_mod=score_mod, dout=dout)
-    launch.run(dout, q, k, v, out, lse, dq, dk, dv, stats)
+    arrays = dict(dout=dout, out=out, lse=lse, dq=dq, dk=dk, dv=dv, stats=stats)
+    Backward(q, k, v, layout, scale, score_mod=score_mod, **arrays).run(
+        dout, q, k, v, out, lse, dq, dk, dv, stats
+    )
 
 
 class Backward:
-    """The backward's two passes for arrays described as `q`, `k` and `v` are, over a layout, scale and score
-    mod (tables, tiles, grids, packed sizes), made once: `run` launches them on any arrays described the same
-    way. PyTorch's eager calls keep one per call signature, made in the first forward.
+    """The backward's two passes for arrays described as `q`, `k` and `v` and the optional others are (those
+    not given: C-contiguous, shaped as q or k), over a layout, scale and score mod (tables, tiles, grids,
+    packed parameters), made once: `run` launches them on any arrays described the same way. PyTorch's
+    eager calls keep one per call signature, made in the first forward.
 
-    The Hopper passes read dout through TMA: without `dout` (not known yet) they are chosen for q, k and v,
-    and `accepts` tells whether a dout fits them.
+    dout may come laid out as the forward's caller left its output's gradient (a transposed view is
+    common): the passes are bound to each dout layout as it comes. The Hopper passes read dout through TMA:
+    without `dout` (not known yet) they are chosen for q, k and v, and `accepts` tells whether a dout fits
+    them.
     """
 
-    def __init__(self, q, k, v, layout: BlockLayout, scale: float, *, score_mod=None, dout=None):
+    def __init__(self, q, k, v, layout: BlockLayout, scale: float, *, score_mod=None, **arrays):
         import cupy
 
         batch, heads_q, _, head_dim = q.shape
-        self.shape, self.k_shape, self.dtype, self.device = q.shape, k.shape, q.dtype, q.device[1]
+        self.shape, self.dtype, self.device = q.shape, q.dtype, q.device[1]
         self.stats_shape = stats_shape(q.shape)
-        self.hopper = not hopper_reasons(q, k, v, dout)
+        self.hopper = not hopper_reasons(q, k, v, arrays.get("dout"))
+        made = {name: _Like(q.shape, q.dtype) for name in ("out", "dout", "dq")}
+        made |= {name: _Like(k.shape, k.dtype) for name in ("dk", "dv")}
+        made |= {"lse": _Like(q.shape[:3], "float32"), "stats": _Like(self.stats_shape, "float32")}
+        self._arrays = _bound_arrays(ARRAYS, dict(arrays, q=q, k=k, v=v), made)
         suffix = "_sm90" if self.hopper else ""
-        self.passes = []
+        self._passes = []
         # The tables' uploads, on the stream of the first launch that reads them (as the forward's).
         with cupy.cuda.Device(self.device), _stream(q.stream):
             _bind(self.device)
@@ -496,7 +539,8 @@ class Backward:
                     splits = 2 if head_dim > 128 else 1
                     grid = (tables.plan.tiles_k, k.shape[1] * splits, batch)
                 rows = {"q": tiles[0], "k": tiles[1], "v": tiles[1], "dout": tiles[0]} if self.hopper else {}
-                self.passes.append((_pass(kernel, grid, tables, score, scale, tiles, q=q, k=k), rows))
+                self._passes.append((_pass(kernel, grid, tables, score, scale, tiles, q=q, k=k), rows))
+        self._bound: dict[tuple, tuple[_Bound, ...]] = {}  # by dout's strides
 
     def accepts(self, dout) -> bool:
         """Whether the passes can take this dout holder: shaped and typed like q, on its device, and readable
@@ -509,19 +553,16 @@ class Backward:
         """Writes `dq`, `dk`, `dv` and the scratch `stats` on dout's stream."""
         import cupy
 
-        (dq_pass, dq_rows), (kv_pass, kv_rows) = self.passes
-        stream, read = dout.stream, dict(q=q, k=k, v=v, dout=dout)
-        both = dict(read, out=out, lse=lse, stats=stats)
+        passes = self._bound.get(dout.strides)
+        if passes is None:
+            arrays = dict(self._arrays, dout=dout)
+            passes = self._bound[dout.strides] = tuple(p.bind(arrays, rows) for p, rows in self._passes)
+        addresses = tuple(a.data_ptr for a in (q, k, v, out, lse, dout, dq, dk, dv, stats))
+        stream = dout.stream
         with cupy.cuda.Device(self.device):
             _bind(self.device)
-            dq_pass.launch(stream, _maps(dq_rows, **read), dq=dq, **both)
-            kv_pass.launch(stream, _maps(kv_rows, **read), dk=dk, dv=dv, **both)
-
-
-def _maps(rows: dict, **arrays) -> tuple:
-    """The TMA descriptors a Hopper kernel takes after its parameters, in the order of `rows` (q, k, v[,
-    dout]; none for a portable kernel): tiles of `rows[name]` rows of each array."""
-    return tuple(tma.tile_map(arrays[name], count) for name, count in rows.items())
+            for launch in passes:
+                launch.launch(stream, addresses)
 
 
 def classify_blocks(

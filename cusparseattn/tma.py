@@ -72,6 +72,26 @@ def tile_map(holder, rows: int) -> np.void:
     return _tile_map(holder.data_ptr, tuple(holder.shape), tuple(holder.strides), holder.dtype, rows)
 
 
+class TileMaps:
+    """The descriptors, as bytes, of arrays laid out as `like` is (shape, strides, dtype) for tiles of `rows`
+    rows, by address: a prepared launch asks for one per array and call, and only the address changes. The
+    last `KEPT` addresses are kept (PyTorch's allocator hands the same few back step after step)."""
+
+    KEPT = 64
+
+    def __init__(self, like, rows: int):
+        self._geometry = (tuple(like.shape), tuple(like.strides), like.dtype, rows)
+        self._by_address: dict[int, bytes] = {}
+
+    def __call__(self, data_ptr: int) -> bytes:
+        found = self._by_address.get(data_ptr)
+        if found is None:
+            if len(self._by_address) >= self.KEPT:
+                self._by_address.clear()
+            found = self._by_address[data_ptr] = _tile_map(data_ptr, *self._geometry).tobytes()
+        return found
+
+
 @functools.lru_cache(maxsize=256)
 def _tile_map(data_ptr: int, shape: tuple, strides: tuple, dtype: str, rows: int) -> np.void:
     # The descriptor holds the address and the geometry only: a reused address with the same geometry

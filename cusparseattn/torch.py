@@ -337,6 +337,7 @@ class _Call:
         self._arg = None if layout_arg is None else weakref.ref(layout_arg)  # its id is in the key
         self._forward = chosen.prepare_forward(inputs)
         self._backward = _UNSET
+        self._kinds = tuple(_kind(h) for h in (inputs.q, inputs.k, inputs.v))
 
     def keep(self, key: tuple) -> None:
         with _calls_lock:
@@ -353,7 +354,13 @@ class _Call:
             return None
         if self._arg is not None and self._arg() is not layout_arg:
             return None
-        hq, hk, hv = TorchTensor(q, "q"), TorchTensor(k, "k"), TorchTensor(v, "v")
+        # Described as this call's were: the signature says so.
+        kq, kk, kv = self._kinds
+        hq, hk, hv = (
+            TorchTensor.known(q, "q", *kq),
+            TorchTensor.known(k, "k", *kk),
+            TorchTensor.known(v, "v", *kv),
+        )
         return backends.Inputs(hq, hk, hv, layout, self.scale, score_mod=self.score_mod)
 
     def forward(self, inputs: backends.Inputs):
@@ -410,8 +417,11 @@ class _Prepared:
     accepts dout; otherwise the backward takes the usual path. The backend is chosen under the forward's
     `use_backends`."""
 
-    def __init__(self, prepared: backends.PreparedBackward, tensors):
-        self.prepared, self.saved = prepared, _descriptions(tensors)
+    def __init__(self, prepared: backends.PreparedBackward, holders):
+        self.prepared = prepared
+        self.saved = _descriptions(h.native for h in holders)
+        self._kinds = tuple(_kind(h) for h in holders)
+        self._dout = None  # (description, kind) of the last dout accepted
 
     @classmethod
     def make(cls, inputs: backends.Inputs, held, outputs, backend) -> _Prepared | None:
@@ -438,22 +448,35 @@ class _Prepared:
         except ValueError:  # the backward raises it, with its own arguments
             return None
         prepared = chosen.prepare_backward(backward)
-        natives = (inputs.q.native, inputs.k.native, inputs.v.native, *outputs)
-        return None if prepared is None else cls(prepared, natives)
+        return None if prepared is None else cls(prepared, (inputs.q, inputs.k, inputs.v, out, lse))
 
     def gradients(self, dout: torch.Tensor, tensors, ctx) -> tuple | None:
         """``(dq, dk, dv)`` from the saved `tensors` (q, k, v, out, lse) and the layout, scale and score mod
         of the forward's `ctx`; None when they or dout are not what this backward was prepared for."""
         if _descriptions(tensors) != self.saved:
             return None
-        holder = TorchTensor(dout, "dout")
-        if not self.prepared.accepts(holder):
-            return None
-        q, k, v, out, lse = (TorchTensor(t, name) for t, name in zip(tensors, _SAVED, strict=True))
+        # A backend's answer depends on dout's description alone (`PreparedBackward.accepts`).
+        (described,) = _descriptions((dout,))
+        accepted = self._dout
+        if accepted is None or accepted[0] != described:
+            holder = TorchTensor(dout, "dout")
+            if not self.prepared.accepts(holder):
+                return None
+            accepted = self._dout = (described, _kind(holder))
+        holder = TorchTensor.known(dout, "dout", *accepted[1])
+        held = (
+            TorchTensor.known(t, n, *kind) for t, n, kind in zip(tensors, _SAVED, self._kinds, strict=True)
+        )
+        q, k, v, out, lse = held
         inputs = backends.Inputs(
             q, k, v, ctx.layout, ctx.scale, score_mod=ctx.score_mod, dout=holder, out=out, lse=lse
         )
         return _outputs(self.prepared.run(inputs))
+
+
+def _kind(holder) -> tuple:
+    """What `TorchTensor.known` takes of a holder: shape, strides, dtype name, device."""
+    return holder.shape, holder.strides, holder.dtype, holder.device
 
 
 def _descriptions(tensors) -> tuple:

@@ -99,13 +99,13 @@ def hopper_path(monkeypatch, hopper: bool) -> list[str]:
     if cuda.compute_capability(0) != 90:
         pytest.skip("the Hopper kernels need compute capability 9.0")
     monkeypatch.setenv("CUSPARSEATTN_HOPPER", "1" if hopper else "0")
-    launched, launch = [], cuda._Pass.launch
+    launched, launch = [], cuda._Bound.launch
 
     def record(self, *args, **kwargs):
         launched.append(self.kernel)
         return launch(self, *args, **kwargs)
 
-    monkeypatch.setattr(cuda._Pass, "launch", record)
+    monkeypatch.setattr(cuda._Bound, "launch", record)
     return launched
 
 

@@ -5,6 +5,7 @@ are stand-ins that record what they are given. The kernels themselves are tested
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import sys
 import threading
 import types
@@ -68,14 +69,23 @@ def launches(monkeypatch):
 
     monkeypatch.setattr(tma, "_tile_map", encode)
 
-    def launch(function, grid, block, shared, stream, args):
-        params = np.frombuffer(bytes(args[0]), build.PARAMS)[0]
-        maps = [geometry[m.tobytes()] for m in args[1:]]
-        record.append((function.name, grid, block, (params, *args[1:]), shared, maps))
+    names = {}  # a stand-in kernel handle -> its spec's name
+
+    def load(spec, device):
+        names[len(names) + 1] = spec.name
+        return types.SimpleNamespace(name=spec.name, kernel=types.SimpleNamespace(ptr=len(names)))
+
+    def launch(kernel, grid, block, shared, stream, table):
+        # The arguments as the driver reads them: the parameter struct, then TMA descriptors.
+        args = [ctypes.string_at(table[0], build.PARAMS.itemsize)]
+        args += [ctypes.string_at(address, tma.TENSOR_MAP.itemsize) for address in table[1:]]
+        params = np.frombuffer(args[0], build.PARAMS)[0]
+        maps = [geometry[m] for m in args[1:]]
+        record.append((names[kernel], grid, block, (params, *args[1:]), shared, maps))
         fake.streams.append(stream)
 
     fake.streams = []  # the stream of each launch
-    monkeypatch.setattr(build, "load", lambda spec, device: types.SimpleNamespace(name=spec.name))
+    monkeypatch.setattr(build, "load", load)
     monkeypatch.setattr(cuda, "_launch", launch)
     cuda._kernel.cache_clear()
     yield record
@@ -135,14 +145,12 @@ def test_backward_packs_both_passes_and_a_score_mod(launches):
         np.float32(score_mod.float_params)
     )
     assert np.frombuffer(score.fields[96:], np.uint64)[0] == score.arrays[0].data.ptr
-    common = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, stats=stats)
-    for kernel, args, outputs in (
-        ("backward_dq", dq_args, dict(dq=dq)),
-        ("backward_dkdv", kv_args, dict(dk=dk, dv=dv)),
-    ):
+    # Both passes take every array (each reads the ones it needs).
+    arrays = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, stats=stats, dq=dq, dk=dk, dv=dv)
+    for kernel, args in (("backward_dq", dq_args), ("backward_dkdv", kv_args)):
         tiles = build.tile_config(kernel, dim, score=True)
         tables = cuda.device_tables(layout, tiles[0], tiles[1], 0)
-        assert args[0].tobytes() == fieldwise(tables, score, 0.5, **common, **outputs), kernel
+        assert args[0].tobytes() == fieldwise(tables, score, 0.5, **arrays), kernel
 
 
 def test_a_cached_launch_builds_no_spec(launches, monkeypatch):
@@ -176,11 +184,8 @@ def test_a_second_call_reuses_the_passes_and_packs_its_own_arrays(launches, monk
         cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, layout, 0.25)
         assert sys.modules["cupy"].streams[3 * call :] == [q.stream, dout.stream, dout.stream]
         common = dict(q=q, k=k, v=v, out=out, lse=lse)
-        expected = [
-            common,
-            dict(common, dout=dout, stats=stats, dq=dq),
-            dict(common, dout=dout, stats=stats, dk=dk, dv=dv),
-        ]
+        backward = dict(common, dout=dout, stats=stats, dq=dq, dk=dk, dv=dv)
+        expected = [common, backward, backward]
         for (name, *_, args, _, _), arrays in zip(launches[3 * call :], expected, strict=True):
             kernel = name.split("_bf16")[0]
             tiles = build.tile_config(kernel, dim)
@@ -297,18 +302,44 @@ def test_passes_prepared_once_launch_what_each_call_launches(launches, monkeypat
     bwd = tuple(second[n] for n in ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "stats"))
     cuda.forward(*fwd, layout, 0.1)
     cuda.backward(*bwd, layout, 0.1)
-    direct = [(name, grid, args[0].tobytes(), maps) for name, grid, _, args, _, maps in launches]
+    direct = [(name, grid, bytes(args[0]), maps) for name, grid, _, args, _, maps in launches]
     launches.clear()
-    forward = cuda.Forward(first["q"], first["k"], first["v"], layout, 0.1)
-    backward = cuda.Backward(first["q"], first["k"], first["v"], layout, 0.1)
+    forward = cuda.Forward(
+        first["q"], first["k"], first["v"], layout, 0.1, out=first["out"], lse=first["lse"]
+    )
+    others = {n: first[n] for n in ("dout", "out", "lse", "dq", "dk", "dv", "stats")}
+    backward = cuda.Backward(first["q"], first["k"], first["v"], layout, 0.1, **others)
     assert launches == [] and backward.hopper == hopper and backward.accepts(second["dout"])
     forward.run(*fwd)
     backward.run(*bwd)
-    assert [(name, grid, args[0].tobytes(), maps) for name, grid, _, args, _, maps in launches] == direct
+    assert [(name, grid, bytes(args[0]), maps) for name, grid, _, args, _, maps in launches] == direct
     # What it refuses goes the usual way: another shape or dtype, an address the copies cannot read.
     assert not backward.accepts(Holder((2, 4, seq + 1, dim)))
     assert not backward.accepts(Holder((2, 4, seq, dim), dtype="float16"))
     assert not backward.accepts(Holder((2, 4, seq, dim), address=0x100008))
+
+
+@pytest.mark.parametrize("hopper", [True, False])
+def test_a_prepared_backward_takes_each_dout_layout_as_it_comes(launches, monkeypatch, hopper):
+    """A Backward made before dout exists runs on douts of any strides (a transposed view of the output's
+    gradient is common): each launch packs that dout's strides and, on Hopper, describes it for TMA."""
+    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90 if hopper else 80)
+    seq, dim = 256, 64
+    layout = patterns.causal(block=64).layout(seq)
+    arrays = _arrays(seq, dim, 0x40000000)
+    others = {n: arrays[n] for n in ("out", "lse", "dq", "dk", "dv", "stats")}  # dout: not yet
+    backward = cuda.Backward(arrays["q"], arrays["k"], arrays["v"], layout, 0.1, **others)
+    names = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "stats")
+    for pad in (0, 8, 0):
+        arrays["dout"] = Holder((2, 4, seq, dim), address=0x50000000 + 0x1000 * pad, pad=pad)
+        assert backward.accepts(arrays["dout"])
+        launches.clear()
+        cuda.backward(*(arrays[n] for n in names), layout, 0.1)
+        direct = [(name, bytes(args[0]), maps) for name, _, _, args, _, maps in launches]
+        launches.clear()
+        backward.run(*(arrays[n] for n in names))
+        assert [(name, bytes(args[0]), maps) for name, _, _, args, _, maps in launches] == direct
+    assert len(backward._bound) == 2
 
 
 def test_each_thread_makes_the_device_context_current_before_its_first_launch(launches):

@@ -111,7 +111,7 @@ def test_host_time_wraps_every_stage_and_puts_it_back():
     from cusparseattn import api, backends, cuda
 
     host_time = _load(ROOT / "benchmarks" / "host_time.py")
-    before = (api._prepare, backends.select, backends.CudaBackend.backward, cuda._Pass.launch)
+    before = (api._prepare, backends.select, backends.CudaBackend.backward, cuda._Bound.launch)
     totals = collections.defaultdict(float)
     saved = host_time.instrument(totals)
     assert len(saved) == len(host_time.STAGES) and api._prepare is not before[0]
@@ -119,4 +119,4 @@ def test_host_time_wraps_every_stage_and_puts_it_back():
     api._prepare(q, q, q, None, causal=True, scale=None)
     host_time.restore(saved)
     assert set(totals) == {"api._prepare"} and totals["api._prepare"] > 0
-    assert (api._prepare, backends.select, backends.CudaBackend.backward, cuda._Pass.launch) == before
+    assert (api._prepare, backends.select, backends.CudaBackend.backward, cuda._Bound.launch) == before
