@@ -285,7 +285,7 @@ def _offset(field: str) -> int:
 
 # The arrays a pass reads and writes, in the order of their pointers, which open Params.
 ARRAYS = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv", "stats")
-# Where each array's strides go in Params (byte offsets), and how many it has.
+# The Params field of each array's first stride, and how many strides it has.
 _STRIDES = {
     "q": ("q_sb", 3), "k": ("k_sb", 3), "v": ("v_sb", 3), "out": ("o_sb", 3), "lse": ("lse_sb", 2),
     "dout": ("do_sb", 3), "dq": ("dq_sb", 3), "dk": ("dk_sb", 3), "dv": ("dv_sb", 3),
@@ -295,6 +295,7 @@ _SIZES = _offset("seq_q")  # seq_q, seq_k, heads_q, group: four int32 in a row
 _SCALE = _offset("scale")
 _SCORE = slice(_offset("score_ip"), _offset("score_a") + 4 * 8)
 _WORK, _WORK_COUNT = _offset("work"), _offset("work_count")
+MAP_BYTES = tma.TENSOR_MAP.itemsize  # a TMA descriptor, as a kernel argument
 
 
 @functools.lru_cache(maxsize=256)
@@ -364,9 +365,6 @@ class _Bound:
             for (slot, tile_map), at in zip(self._maps, self._map_at, strict=True):
                 ctypes.memmove(at, tile_map(addresses[slot]), MAP_BYTES)
             _launch(*self._target, stream, self._table)
-
-
-MAP_BYTES = tma.TENSOR_MAP.itemsize
 
 
 def _launch(kernel: int, grid, block, shared: int, stream: int, table) -> None:
