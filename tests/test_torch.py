@@ -158,7 +158,7 @@ class PreparingReference(backends.ReferenceBackend):
     name, description = "preparing", "the reference, with prepared passes"
 
     def __init__(self):
-        self.runs, self.prepared = [], {"forward": 0, "backward": 0}
+        self.runs, self.prepared, self.asked = [], {"forward": 0, "backward": 0}, []
 
     def prepare_forward(self, inputs):
         backend = self
@@ -176,6 +176,7 @@ class PreparingReference(backends.ReferenceBackend):
 
         class Ready(backends.PreparedBackward):
             def accepts(self, dout):
+                backend.asked.append(dout.strides)
                 return dout.strides == strides
 
             def run(self, inputs):
@@ -249,6 +250,22 @@ def test_repeated_eager_calls_validate_and_prepare_once(preparing):
         ca_torch.attention(q, k, v, layout)
         ca_torch.attention(q, k, v, layout)
     assert preparing.prepared["forward"] == len(changes) + 2
+
+
+def test_the_prepared_backward_asks_once_per_dout_layout(preparing):
+    """Whether the backend takes a dout depends on its description alone: a repeated description is not asked
+    again, a new one is (and a refused one takes the usual way)."""
+    layout = patterns.causal(block=16)
+    q, k, v = tensors(Sq=32, Sk=32)
+    contiguous = torch.randn(q.shape, dtype=q.dtype)
+    strided = torch.randn(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype).transpose(1, 2)
+    for dout in (contiguous, contiguous.clone(), strided, strided):
+        want = torch.autograd.grad(cusparseattn.attention(q, k, v, layout), (q, k, v), dout)
+        got = torch.autograd.grad(ca_torch.attention(q, k, v, layout, backend="preparing"), (q, k, v), dout)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    assert preparing.runs == ["prepared", "prepared", "usual", "usual"]
+    assert preparing.asked == [contiguous.stride(), strided.stride(), strided.stride()]
 
 
 def test_kept_calls_go_with_their_layout(preparing):
