@@ -316,7 +316,7 @@ class _Pass:
         spec_args = (kernel, q.dtype, q.shape[3], tiles, tables.plan.rule_mode, tables.rule_expr)
         self.function, self.block, self.shared = _kernel(q.device[1], *spec_args, score and score.spec)
         # The device arrays that the parameters point to live as long as this pass.
-        self._arrays = (tables, score, work)
+        self.arrays = (tables, score, work)
         buffer = bytearray(tables.params)
         if score is not None:
             buffer[_SCORE] = score.fields
@@ -327,9 +327,16 @@ class _Pass:
             struct.pack_into("<Q", buffer, _WORK, work.data.ptr)
             struct.pack_into("<i", buffer, _WORK_COUNT, work.size)
         self.params = bytes(buffer)
+        self._bound: dict[tuple, _Bound] = {}  # by the arrays' strides (their shapes follow from q's, k's)
 
     def bind(self, arrays: dict, rows: dict) -> _Bound:
-        return _Bound(self, arrays, rows)
+        """Its launches over arrays described as `arrays` are (`_Bound`), made once per layout of them:
+        calls that make their launch anew each time (JAX's, the functional API's) take it from here."""
+        key = (tuple(tuple(a.strides) for a in arrays.values()), tuple(rows.items()))
+        bound = self._bound.get(key)
+        if bound is None:
+            bound = self._bound[key] = _Bound(self, arrays, rows)
+        return bound
 
 
 class _Bound:
@@ -340,7 +347,8 @@ class _Bound:
     the arguments anew cost more than the driver's launch on PyTorch's autograd thread."""
 
     def __init__(self, launch: _Pass, arrays: dict, rows: dict):
-        self.kernel, self._pass = launch.kernel, launch  # which holds the device arrays it points to
+        # The device arrays its parameters point to (not the pass, which keeps it: no cycle to collect).
+        self.kernel, self._arrays = launch.kernel, launch.arrays
         if tuple(arrays) != ARRAYS[: len(arrays)]:
             raise ValueError(f"a pass binds the arrays {ARRAYS} in order, got {tuple(arrays)}")
         params = bytearray(launch.params)
@@ -396,11 +404,13 @@ def _tiled_tables(kernel: str, layout: BlockLayout, head_dim: int, device: int, 
 
 
 class _Like:
-    """A stand-in for an array not made yet (an output, the backward's dout): C-contiguous, of a shape and
-    dtype; what binding a pass reads of an array."""
+    """What binding a pass reads of an array (shape, strides, dtype), without the array: a stand-in for one
+    not made yet (an output, the backward's dout; C-contiguous unless `strides` are given), or the
+    description of one that a prepared backward must not keep alive."""
 
-    def __init__(self, shape: tuple, dtype: str):
-        self.shape, self.dtype, self.strides = tuple(shape), dtype, contiguous_strides(shape)
+    def __init__(self, shape: tuple, dtype: str, strides: tuple | None = None):
+        self.shape, self.dtype = tuple(shape), dtype
+        self.strides = contiguous_strides(shape) if strides is None else tuple(strides)
 
 
 def _bound_arrays(names: tuple, given: dict, made: dict) -> dict:
@@ -521,7 +531,9 @@ class Backward:
         made = {name: _Like(q.shape, q.dtype) for name in ("out", "dout", "dq")}
         made |= {name: _Like(k.shape, k.dtype) for name in ("dk", "dv")}
         made |= {"lse": _Like(q.shape[:3], "float32"), "stats": _Like(self.stats_shape, "float32")}
-        self._arrays = _bound_arrays(ARRAYS, dict(arrays, q=q, k=k, v=v), made)
+        bound = _bound_arrays(ARRAYS, dict(arrays, q=q, k=k, v=v), made)
+        # Descriptions only: the arrays themselves (a forward's tensors) must not live as long as this does.
+        self._arrays = {name: _Like(a.shape, a.dtype, a.strides) for name, a in bound.items()}
         suffix = "_sm90" if self.hopper else ""
         self._passes = []
         # The tables' uploads, on the stream of the first launch that reads them (as the forward's).

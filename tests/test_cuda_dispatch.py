@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import sys
 import threading
 import types
+import weakref
 
 import numpy as np
 import pytest
@@ -193,9 +195,10 @@ def test_a_second_call_reuses_the_passes_and_packs_its_own_arrays(launches, monk
             packed = np.frombuffer(args[0].tobytes(), build.PARAMS)[0].copy()
             packed["work"], packed["work_count"] = 0, 0  # the forward's schedule: test_hopper_gpus_run...
             assert packed.tobytes() == fieldwise(tables, None, 0.25, **arrays), name
-    # One pass each, made in the first call.
+    # One pass each, made in the first call, bound once to arrays laid out as these (addresses apart).
     passes = [p for entries in cuda._tables[id(layout)].values() for p in entries.passes.values()]
     assert sorted(p.kernel for p in passes) == sorted(name.split("_bf16")[0] for name, *_ in launches[:3])
+    assert [len(p._bound) for p in passes] == [1, 1, 1]
 
 
 def _forward(head_dim, seq=300, **kwargs):
@@ -340,6 +343,29 @@ def test_a_prepared_backward_takes_each_dout_layout_as_it_comes(launches, monkey
         backward.run(*(arrays[n] for n in names))
         assert [(name, bytes(args[0]), maps) for name, _, _, args, _, maps in launches] == direct
     assert len(backward._bound) == 2
+
+
+@pytest.mark.parametrize("hopper", [True, False])
+def test_prepared_passes_keep_no_array(launches, monkeypatch, hopper):
+    """A Forward or Backward kept for later calls holds descriptions, not the arrays it was made from (PyTorch
+    keeps them per call signature: the first call's tensors must not live as long)."""
+    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90 if hopper else 80)
+    seq, dim = 256, 64
+    layout = patterns.causal(block=64).layout(seq)
+    arrays = _arrays(seq, dim, 0x40000000)
+    made = [
+        cuda.Forward(
+            arrays["q"], arrays["k"], arrays["v"], layout, 0.1, out=arrays["out"], lse=arrays["lse"]
+        ),
+        cuda.Backward(
+            arrays["q"], arrays["k"], arrays["v"], layout, 0.1, out=arrays["out"], dout=arrays["dout"]
+        ),
+    ]
+    made[1].run(*(arrays[n] for n in ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "stats")))
+    refs = [weakref.ref(a) for a in arrays.values()]
+    del arrays
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs) and len(made) == 2
 
 
 def test_each_thread_makes_the_device_context_current_before_its_first_launch(launches):
