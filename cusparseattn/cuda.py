@@ -406,7 +406,7 @@ def _tiled_tables(kernel: str, layout: BlockLayout, head_dim: int, device: int, 
 class _Like:
     """What binding a pass reads of an array (shape, strides, dtype), without the array: a stand-in for one
     not made yet (an output, the backward's dout; C-contiguous unless `strides` are given), or the
-    description of one that a prepared backward must not keep alive."""
+    description of one that a kept launch must not keep alive."""
 
     def __init__(self, shape: tuple, dtype: str, strides: tuple | None = None):
         self.shape, self.dtype = tuple(shape), dtype
@@ -414,9 +414,14 @@ class _Like:
 
 
 def _bound_arrays(names: tuple, given: dict, made: dict) -> dict:
-    """The arrays a pass binds, by name in `ARRAYS` order: those `given` (not None), else the stand-ins
-    `made`."""
-    return {name: made[name] if given.get(name) is None else given[name] for name in names}
+    """What a pass binds of each array, by name in `ARRAYS` order: the description of those `given` (not
+    None), else the stand-ins `made`. Descriptions only: a kept Forward or Backward must not keep the arrays
+    it was made from (a forward's tensors) alive."""
+    bound = {}
+    for name in names:
+        array = given.get(name)
+        bound[name] = made[name] if array is None else _Like(array.shape, array.dtype, array.strides)
+    return bound
 
 
 def forward(
@@ -531,9 +536,7 @@ class Backward:
         made = {name: _Like(q.shape, q.dtype) for name in ("out", "dout", "dq")}
         made |= {name: _Like(k.shape, k.dtype) for name in ("dk", "dv")}
         made |= {"lse": _Like(q.shape[:3], "float32"), "stats": _Like(self.stats_shape, "float32")}
-        bound = _bound_arrays(ARRAYS, dict(arrays, q=q, k=k, v=v), made)
-        # Descriptions only: the arrays themselves (a forward's tensors) must not live as long as this does.
-        self._arrays = {name: _Like(a.shape, a.dtype, a.strides) for name, a in bound.items()}
+        self._arrays = _bound_arrays(ARRAYS, dict(arrays, q=q, k=k, v=v), made)
         suffix = "_sm90" if self.hopper else ""
         self._passes = []
         # The tables' uploads, on the stream of the first launch that reads them (as the forward's).
@@ -550,7 +553,9 @@ class Backward:
                     grid = (tables.plan.tiles_k, k.shape[1] * splits, batch)
                 rows = {"q": tiles[0], "k": tiles[1], "v": tiles[1], "dout": tiles[0]} if self.hopper else {}
                 self._passes.append((_pass(kernel, grid, tables, score, scale, tiles, q=q, k=k), rows))
-        self._bound: dict[tuple, tuple[_Bound, ...]] = {}  # by dout's strides
+        # The passes bound to each dout layout, by dout's strides: `_Pass.bind` keeps them too, but its key
+        # (every array's strides) costs more to build than a launch on the prepared path may spend.
+        self._bound: dict[tuple, tuple[_Bound, ...]] = {}
 
     def accepts(self, dout) -> bool:
         """Whether the passes can take this dout holder: shaped and typed like q, on its device, and readable

@@ -458,16 +458,16 @@ class _Prepared:
         # A backend's answer depends on dout's description alone (`PreparedBackward.accepts`).
         (described,) = _descriptions((dout,))
         accepted = self._dout
-        if accepted is None or accepted[0] != described:
+        if accepted is not None and accepted[0] == described:
+            holder = TorchTensor.known(dout, "dout", *accepted[1])
+        else:
             holder = TorchTensor(dout, "dout")
             if not self.prepared.accepts(holder):
                 return None
-            accepted = self._dout = (described, _kind(holder))
-        holder = TorchTensor.known(dout, "dout", *accepted[1])
-        held = (
+            self._dout = (described, _kind(holder))
+        q, k, v, out, lse = (
             TorchTensor.known(t, n, *kind) for t, n, kind in zip(tensors, _SAVED, self._kinds, strict=True)
         )
-        q, k, v, out, lse = held
         inputs = backends.Inputs(
             q, k, v, ctx.layout, ctx.scale, score_mod=ctx.score_mod, dout=holder, out=out, lse=lse
         )
