@@ -181,6 +181,7 @@ class BlockLayout:
         # Where this layout sits in a longer sequence (a window of it, `window`): score mods see global
         # positions. The rule has been shifted already, so the token mask ignores it.
         self.origin = (int(origin[0]), int(origin[1]))
+        self._torch_cache = {}  # device -> the block and partial tables as flat torch tensors
 
     # ---- shape and counts ----------------------------------------------------------------------------------
     @property
@@ -495,13 +496,16 @@ class BlockLayout:
             rule = TokenRule(f"flex:{getattr(mask_mod, '__name__', 'mask_mod')}", _FlexRule(mask_mod))
         return cls(partial | full, block_size=(bq, bk), seq_q=sq, seq_k=sk, partial=partial, rule=rule)
 
-    def to_flex(self):
-        """This layout as a FlexAttention ``BlockMask`` (on the CPU; move it with ``.to(device)``).
+    def to_flex(self, device=None):
+        """This layout as a FlexAttention ``BlockMask`` on ``device`` (the CPU by default), the device of the
+        queries it will mask.
 
         Full blocks become FlexAttention's full blocks; partial blocks its masked blocks, with a ``mask_mod``
         that looks the block up and applies the rule with torch ops. That needs a rule written with Python
         operators and indexing only (every rule of `cusparseattn.patterns`, their set algebra and indexing,
-        and rules from ``from_flex``); another rule raises a ValueError here.
+        and rules from ``from_flex``); another rule raises a ValueError here. The lookup tables live on
+        ``device``: a mask moved elsewhere with ``.to`` fails FlexAttention's tracing with a RuntimeError that
+        says so.
 
         >>> import numpy as np
         >>> bm = BlockLayout(np.tril(np.ones((4, 4), bool)), block_size=64, seq_q=256).to_flex()
@@ -511,16 +515,13 @@ class BlockLayout:
         import torch
         from torch.nn.attention.flex_attention import BlockMask
 
+        device = torch.device("cpu" if device is None else device)
         mask_mod = _flex_mask_mod(self)
-        if self.rule is not None and self.partial.any():
-            _probe_torch_rule(self, mask_mod)
+        _probe_torch_rule(self, mask_mod, device)
         kv_num, kv_idx = _kv_lists(self.partial)
         full_num, full_idx = _kv_lists(self.full)
         return BlockMask.from_kv_blocks(
-            torch.from_numpy(kv_num),
-            torch.from_numpy(kv_idx),
-            torch.from_numpy(full_num),
-            torch.from_numpy(full_idx),
+            *(torch.from_numpy(t).to(device) for t in (kv_num, kv_idx, full_num, full_idx)),
             BLOCK_SIZE=self.block_size,
             mask_mod=mask_mod,
             seq_lengths=(self.seq_q, self.seq_k),
@@ -564,13 +565,22 @@ class BlockLayout:
     def _torch_tables(self, device):
         import torch
 
-        cache = self.__dict__.setdefault("_torch_cache", {})
         key = str(device)
-        if key not in cache:  # copies: the layout's arrays are read-only, torch tensors are not
-            cache[key] = tuple(
+        tables = self._torch_cache.get(key)
+        if tables is None:
+            # FlexAttention traces its mask_mod with Dynamo, which cannot make these tensors (torch 2.11's
+            # cannot even call __dict__.setdefault): to_flex makes them first, eagerly.
+            if torch.compiler.is_compiling():
+                raise RuntimeError(
+                    f"this layout's FlexAttention mask has no lookup tables on {key}: make the BlockMask "
+                    f"for that device with layout.to_flex(device={key!r}) rather than moving it with .to()"
+                )
+            # copies: the layout's arrays are read-only, torch tensors are not
+            tables = tuple(
                 torch.from_numpy(np.array(a).reshape(-1)).to(device) for a in (self.blocks, self.partial)
             )
-        return cache[key]
+            self._torch_cache[key] = tables
+        return tables
 
     def __repr__(self) -> str:
         kinds = "none" if self.rule is None else self.rule.name
@@ -904,10 +914,12 @@ def _flex_mask_mod(layout: BlockLayout):
     return layout_mask
 
 
-def _probe_torch_rule(layout: BlockLayout, mask_mod) -> None:
+def _probe_torch_rule(layout: BlockLayout, mask_mod, device) -> None:
+    """Runs ``mask_mod`` once, eagerly on ``device``: that checks that the rule runs on torch ops, and makes
+    the lookup tables of the layout (and of the layouts its rule is made of) that the mask reads there."""
     import torch
 
-    idx = torch.arange(4)
+    idx = torch.arange(4, device=device)
     try:
         with _getitem_to_index():
             out = torch.vmap(mask_mod)(idx * 0, idx * 0, idx % layout.seq_q, idx % layout.seq_k)
@@ -916,6 +928,8 @@ def _probe_torch_rule(layout: BlockLayout, mask_mod) -> None:
                 f"it gave {type(out).__name__} {getattr(out, 'dtype', '')}, not a torch bool tensor"
             )
     except Exception as exc:
+        if layout.rule is None:  # the mask is this module's own torch code: a failure here is a bug
+            raise
         raise ValueError(
             f"the layout's rule {layout.rule.name!r} cannot be evaluated with torch ops, so FlexAttention "
             f"cannot apply it ({type(exc).__name__}: {exc}); to_flex supports rules written with Python "

@@ -425,19 +425,47 @@ def test_to_flex(lay):
     assert back == lay and np.array_equal(back.full, lay.full)
 
 
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+]
+FLEX_RUNS = [  # a rule, a layout inside another's rule (set algebra), per-head layouts
+    patterns.local(40, block=16).layout(100, 130),
+    patterns.bigbird(block=16).layout(130) | patterns.local(30, block=16).layout(130),
+    patterns.head_mix([patterns.strided(5, block=16), patterns.causal(block=16)]).layout(100, 130),
+]
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_attention_with_to_flex():
-    lay = patterns.local(40, block=16).layout(100, 130)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lay", FLEX_RUNS, ids=lambda lay: lay.rule.name[:30])
+def test_flex_attention_with_to_flex(lay, device):
     rng = np.random.default_rng(0)
     q, k, v = (
-        torch.from_numpy(rng.standard_normal((1, 2, n, 16), dtype=np.float32)) for n in (100, 130, 130)
+        torch.from_numpy(rng.standard_normal((1, 2, n, 16), dtype=np.float32)).to(device)
+        for n in (lay.seq_q, lay.seq_k, lay.seq_k)
     )
-    out = flex.flex_attention(q, k, v, block_mask=lay.to_flex()).numpy()
-    scores = np.einsum("bhqd,bhkd->bhqk", q.numpy(), k.numpy()).astype(np.float64) / 4.0
-    scores[~np.broadcast_to(lay.to_dense(), scores.shape)] = -np.inf
+    out = flex.flex_attention(q, k, v, block_mask=lay.to_flex(device)).cpu().numpy()
+    q, k, v = (x.cpu().numpy() for x in (q, k, v))
+    scores = np.einsum("bhqd,bhkd->bhqk", q, k).astype(np.float64) / 4.0
+    scores[~np.broadcast_to(lay.to_dense(1, 2), scores.shape)] = -np.inf
     p = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    want = np.einsum("bhqk,bhkd->bhqd", p / p.sum(axis=-1, keepdims=True), v.numpy())
-    assert np.abs(out - want).max() < 1e-5
+    want = np.einsum("bhqk,bhkd->bhqd", p / p.sum(axis=-1, keepdims=True), v)
+    assert np.abs(out - want).max() < (1e-4 if device == "cuda" else 1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("device", DEVICES)
+def test_to_flex_without_its_tables_says_so(device):
+    """FlexAttention's tracing cannot make the lookup tables: a mask moved to another device than to_flex's
+    (or, on the CPU, one whose tables were dropped) gets an error that says what to do."""
+    lay = patterns.local(40, block=16).layout(128)
+    block_mask = lay.to_flex().to(device)
+    if device == "cpu":
+        lay._torch_cache.clear()
+    q = torch.zeros((1, 1, 128, 16), device=device)
+    with pytest.raises(Exception, match=r"make the BlockMask for that device with layout.to_flex\(device="):
+        flex.flex_attention(q, q, q, block_mask=block_mask)
 
 
 def test_to_flex_needs_a_torch_rule():
