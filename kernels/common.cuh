@@ -466,23 +466,59 @@ __device__ __forceinline__ bool visible(const Params& p, int pidx, const ulonglo
 #endif
 }
 
-// mask_bits's loop: visible_at(tile-local query, tile-local key) of each of the warp's elements.
-template <bool TRANSPOSED, int COLS, class Visible>
-__device__ __forceinline__ unsigned long long gather_bits(int row0, int lane, Visible visible_at) {
-    static_assert(COLS / 8 * 4 <= 64, "one bit per accumulator element fits a 64-bit word");
+// Calls f(n, j, row, col) for each element [n][j] of a warp's 16 x COLS accumulator tile, at tile-local row and
+// column (rows from row0).
+template <int COLS, class F>
+__device__ __forceinline__ void for_each_element(int row0, int lane, F&& f) {
     const int g = lane >> 2, t = lane & 3;
-    unsigned long long bits = 0;
 #pragma unroll
     for (int n = 0; n < COLS / 8; ++n)
 #pragma unroll
         for (int r = 0; r < 2; ++r)
 #pragma unroll
-            for (int c = 0; c < 2; ++c) {
-                const int row = row0 + g + 8 * r, col = n * 8 + 2 * t + c;
-                const bool ok = TRANSPOSED ? visible_at(col, row) : visible_at(row, col);
-                bits |= (unsigned long long)ok << (4 * n + 2 * r + c);
-            }
+            for (int c = 0; c < 2; ++c) f(n, 2 * r + c, row0 + g + 8 * r, n * 8 + 2 * t + c);
+}
+
+// mask_bits's loop: visible_at(tile-local query, tile-local key) of each of the warp's elements.
+template <bool TRANSPOSED, int COLS, class Visible>
+__device__ __forceinline__ unsigned long long gather_bits(int row0, int lane, Visible visible_at) {
+    static_assert(COLS / 8 * 4 <= 64, "one bit per accumulator element fits a 64-bit word");
+    unsigned long long bits = 0;
+    for_each_element<COLS>(row0, lane, [&](int n, int j, int row, int col) {
+        const bool ok = TRANSPOSED ? visible_at(col, row) : visible_at(row, col);
+        bits |= (unsigned long long)ok << (4 * n + j);
+    });
     return bits;
+}
+
+#if RULE_MODE == RULE_EXPR
+// Whether the rule alone decides partial tile (sub-block bits `sub`) from key k0: every layout block of the tile
+// partial and every key inside the sequence (the diagonal and window-edge tiles of causal and local layouts).
+// There the per-element block bits can be skipped; they cost several times the rule's own arithmetic.
+__device__ __forceinline__ bool rule_decides(const Params& p, const ulonglong2& sub, int k0) {
+    const int cells = (TILE_M >> p.sub_q_shift) * p.sub_k_count;
+    const unsigned long long all = cells >= 64 ? ~0ull : (1ull << cells) - 1;
+    return sub.x == all && sub.y == all && k0 + TILE_N <= p.seq_k;
+}
+#endif
+
+// The sub-block bits of partial tile `pidx` (visible): which layout blocks of the tile are set and which are
+// partial. The bit table of RULE_BITS decides alone.
+__device__ __forceinline__ ulonglong2 sub_bits_of(const Params& p, int pidx) {
+#if RULE_MODE == RULE_BITS
+    return make_ulonglong2(0, 0);
+#else
+    return p.sub_bits[pidx];
+#endif
+}
+
+// `visible` at each of the warp's elements of partial tile `pidx` (sub-block bits `sub`), as mask_bits lays
+// them out.
+template <bool TRANSPOSED, int COLS>
+__device__ __forceinline__ unsigned long long block_bits(const Params& p, int pidx, const ulonglong2& sub, int b,
+                                                         int h, int q0, int k0, int row0, int lane) {
+    return gather_bits<TRANSPOSED, COLS>(row0, lane,
+                                         [&](int qi, int ki) { return visible(p, pidx, sub, b, h, q0, k0, qi, ki); });
 }
 
 // Which elements of a warp's 16 x COLS accumulator tile are visible, one bit each (bit 4n + 2r + c for element
@@ -494,18 +530,9 @@ template <bool TRANSPOSED, int COLS>
 __device__ __forceinline__ unsigned long long mask_bits(const Params& p, int pidx, int b, int h, int q0, int k0,
                                                         int row0, int lane) {
     if (pidx < 0) return 0;
-#if RULE_MODE == RULE_BITS
-    const ulonglong2 sub = make_ulonglong2(0, 0);
-#else
-    const ulonglong2 sub = p.sub_bits[pidx];
-#endif
+    const ulonglong2 sub = sub_bits_of(p, pidx);
 #if RULE_MODE == RULE_EXPR
-    // Where the rule alone decides (every layout block of the tile partial, every key inside the sequence: the
-    // diagonal and window-edge tiles of causal and local layouts), the per-element block bits are skipped;
-    // they cost several times the rule's own arithmetic.
-    const int cells = (TILE_M >> p.sub_q_shift) * p.sub_k_count;
-    const unsigned long long all = cells >= 64 ? ~0ull : (1ull << cells) - 1;
-    if (sub.x == all && sub.y == all && k0 + TILE_N <= p.seq_k) {
+    if (rule_decides(p, sub, k0)) {
 #if RULE_NARROWABLE
         if (p.rule_narrow)
             return gather_bits<TRANSPOSED, COLS>(
@@ -515,8 +542,7 @@ __device__ __forceinline__ unsigned long long mask_bits(const Params& p, int pid
             row0, lane, [&](int qi, int ki) { return rule_at<long long>(p, b, h, q0 + qi, k0 + ki); });
     }
 #endif
-    return gather_bits<TRANSPOSED, COLS>(row0, lane,
-                                         [&](int qi, int ki) { return visible(p, pidx, sub, b, h, q0, k0, qi, ki); });
+    return block_bits<TRANSPOSED, COLS>(p, pidx, sub, b, h, q0, k0, row0, lane);
 }
 
 // ---- score mods ---------------------------------------------------------------------------------------------
@@ -593,6 +619,51 @@ __device__ __forceinline__ void apply_mask(float (&s)[COLS / 8][4], unsigned lon
         for (int j = 0; j < 4; ++j)
             if (!((bits >> (4 * n + j)) & 1ull)) s[n][j] = -INFINITY;
 }
+
+// A partial tile's mask over a warp's 16 x COLS accumulator tile (rows are queries), in two halves around the
+// wait for the scores. The constructor runs before it: the loads and, where layout blocks or a bit table decide,
+// the bits (mask_bits). hide(s) runs once the scores have landed: it applies the bits or, where the rule alone
+// decides (rule_decides), evaluates the rule at each element as it selects it, which takes about half the
+// instructions of gathering bits and applying them. Nothing for a full tile (pidx < 0).
+template <int COLS>
+struct TileMask {
+    int pidx;
+    bool by_rule = false;
+    unsigned long long bits = 0;
+
+    __device__ __forceinline__ TileMask(const Params& p, int pidx_, int b, int h, int q0, int k0, int row0, int lane)
+        : pidx(pidx_) {
+        if (pidx < 0) return;
+        const ulonglong2 sub = sub_bits_of(p, pidx);
+#if RULE_MODE == RULE_EXPR
+        by_rule = rule_decides(p, sub, k0);
+        if (by_rule) return;
+#endif
+        bits = block_bits<false, COLS>(p, pidx, sub, b, h, q0, k0, row0, lane);
+    }
+
+    __device__ __forceinline__ void hide(const Params& p, float (&s)[COLS / 8][4], int b, int h, int q0, int k0,
+                                         int row0, int lane) const {
+        if (pidx < 0) return;
+#if RULE_MODE == RULE_EXPR
+        if (by_rule) {
+#if RULE_NARROWABLE
+            if (p.rule_narrow) {
+                for_each_element<COLS>(row0, lane, [&](int n, int j, int row, int col) {
+                    if (!rule_at<int>(p, b, h, q0 + row, k0 + col)) s[n][j] = -INFINITY;
+                });
+                return;
+            }
+#endif
+            for_each_element<COLS>(row0, lane, [&](int n, int j, int row, int col) {
+                if (!rule_at<long long>(p, b, h, q0 + row, k0 + col)) s[n][j] = -INFINITY;
+            });
+            return;
+        }
+#endif
+        apply_mask<COLS>(s, bits);
+    }
+};
 
 // ---- the backward ------------------------------------------------------------------------------------------
 enum Stat { STAT_LSE2 = 0, STAT_DELTA = 1 };

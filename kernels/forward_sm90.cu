@@ -120,14 +120,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         auto softmax_of = [&](int i, bool behind) {
             const int2 e = p.entries[row.begin + i];
             const int k0 = e.x * TILE_N;
-            // The partial tile's mask is worked out while the tensor cores run.
-            const unsigned long long keep = mask_bits<false, TILE_N>(p, e.y, b, h, row.q0, k0, rows, lane);
+            // The partial tile's loads and bits are worked out while the tensor cores run.
+            const TileMask<TILE_N> mask(p, e.y, b, h, row.q0, k0, rows, lane);
             wgmma_wait_behind(behind);
             fence_operands(sc);
             sh.k_ring.release(uses + i);
             if (i == count - 1) sh.q_ring.release(rows_done);  // the row's last use of Q
             apply_score_mod<false, TILE_N>(p, sc, b, h, TilePos<false>(p, row.q0, k0, rows, lane));
-            if (e.y >= 0) apply_mask<TILE_N>(sc, keep);
+            mask.hide(p, sc, b, h, row.q0, k0, rows, lane);
             sm.step(sc, softmax_scale(p), alpha);
         };
 
