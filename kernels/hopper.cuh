@@ -225,11 +225,6 @@ __device__ __forceinline__ void to_a_fragments(const float (&acc)[K / 8][4], uns
     }
 }
 
-// Synchronises the 128 threads of one warpgroup (named barrier `id`, 1-15; 0 is __syncthreads).
-__device__ __forceinline__ void warpgroup_sync(int id) {
-    asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory");
-}
-
 // Turns between two consumer warpgroups (named barriers 1 and 2, 256 threads each: one warpgroup waits, the
 // other arrives). Consumer c takes its turn on barrier 1 + c and passes it on barrier 2 - c: while one issues
 // its products, the other runs its softmax.
