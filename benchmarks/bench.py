@@ -5,6 +5,7 @@
     python benchmarks/bench.py --cases local1024,strided8 --seqs 16384 --dims 128
     python benchmarks/bench.py --only train-memory   # parts: compile mods cases sweep memory train-memory
     python benchmarks/bench.py --no-backward         # forward only
+    python benchmarks/bench.py --peers cusparseattn,flex  # whom the cases time (benchmarks/ab.py uses it)
     python benchmarks/bench.py --out DIR             # where bench.json and bench.png go (default: .)
 
 Parts:
@@ -108,23 +109,25 @@ def compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def peers(case: str, q, k, v) -> tuple[dict, list]:
-    """``({name: callable}, leaves)``: each peer that can run this case as a call returning its output (or
-    ``(out, lse)``), differentiable when q, k, v require grad; leaves are the tensors the backward fills."""
+def peers(case: str, q, k, v, names=PEERS) -> tuple[dict, list]:
+    """``({name: callable}, leaves)``: each peer of `names` that can run this case as a call returning its
+    output (or ``(out, lse)``), differentiable when q, k, v require grad; leaves are the tensors the backward
+    fills."""
     import torch.nn.functional as F
 
     out, leaves = {}, [q, k, v]
-    try:
-        from torch.nn.attention.flex_attention import create_block_mask
+    if "flex" in names:
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask
 
-        flex = compiled_flex()
-        mod = token_rule(case)
-        seq = q.shape[2]
-        mask = None if mod is None else create_block_mask(mod, None, None, seq, seq, BLOCK_SIZE=128)
-        out["flex"] = lambda: flex(q, k, v, block_mask=mask)
-    except Exception as err:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
-        print(f"  flex unavailable: {err}")
-    if case in ("dense", "causal"):
+            flex = compiled_flex()
+            mod = token_rule(case)
+            seq = q.shape[2]
+            mask = None if mod is None else create_block_mask(mod, None, None, seq, seq, BLOCK_SIZE=128)
+            out["flex"] = lambda: flex(q, k, v, block_mask=mask)
+        except Exception as err:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
+            print(f"  flex unavailable: {err}")
+    if case in ("dense", "causal") and "sdpa" in names:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         def sdpa():
@@ -135,7 +138,7 @@ def peers(case: str, q, k, v) -> tuple[dict, list]:
     try:
         from flash_attn.cute import flash_attn_func
 
-        if case in ("dense", "causal", "local1024"):
+        if case in ("dense", "causal", "local1024") and "fa4" in names:
             # FA4 takes [B, S, H, D]: contiguous copies, leaves of their own for the backward.
             qt, kt, vt = (
                 x.detach().transpose(1, 2).contiguous().requires_grad_(x.requires_grad) for x in (q, k, v)
@@ -171,8 +174,8 @@ def _on_hopper(device: int) -> bool:
     return not cuda.hopper_device_reasons(device)
 
 
-def measure_case(case: str, q, k, v, backward: bool) -> dict:
-    """One row: forward (and forward+backward) TFLOP/s of cusparseattn and every peer on this case."""
+def measure_case(case: str, q, k, v, backward: bool, names=PEERS) -> dict:
+    """One row: forward (and forward+backward) TFLOP/s of each of `names` (ours, peers) on this case."""
     import torch
 
     import cusparseattn as ca
@@ -181,11 +184,11 @@ def measure_case(case: str, q, k, v, backward: bool) -> dict:
     layout = pattern(case).layout(seq)
     flops = 4 * batch * heads * seq * seq * dim * layout.density
     row = {"case": case, "S": seq, "D": dim, "density": layout.density, "fwd": {}, "fwdbwd": {}}
-    others, leaves = peers(case, q, k, v)
+    others, leaves = peers(case, q, k, v, names)
     where = f"{case} S={seq} D={dim}"
     ours = functools.partial(ca.attention_forward, q, k, v, layout)
-    portable = {"portable": ours} if _on_hopper(q.device.index or 0) else {}
-    forward = {"cusparseattn": ours, **portable, **others}
+    portable = {"portable": ours} if "portable" in names and _on_hopper(q.device.index or 0) else {}
+    forward = {**({"cusparseattn": ours} if "cusparseattn" in names else {}), **portable, **others}
     for name, fn in forward.items():
         try:
             with torch.no_grad(), _kernels_of(name):
@@ -203,7 +206,7 @@ def measure_case(case: str, q, k, v, backward: bool) -> dict:
     else:
         # Forced: a backward that cannot run on the GPU raises rather than timing the host reference.
         ours = functools.partial(ca.attention, q, k, v, layout, backend="cuda")
-        training = {"cusparseattn": ours, **({"portable": ours} if portable else {}), **others}
+        training = {**{name: ours for name in ("cusparseattn", "portable") if name in forward}, **others}
     gen = torch.Generator(device=q.device)
     for name, fn in training.items():
         try:
@@ -232,7 +235,7 @@ def _ratio(row: dict, pass_: str) -> float:
     return ours / flex if ours and flex else math.nan
 
 
-def run_cases(seqs, dims, cases, backward: bool, results):
+def run_cases(seqs, dims, cases, backward: bool, results, names=PEERS):
     import torch
 
     torch._dynamo.config.cache_size_limit = 64
@@ -244,7 +247,7 @@ def run_cases(seqs, dims, cases, backward: bool, results):
                 for _ in range(3)
             )
             for case in cases:
-                row = measure_case(case, q, k, v, backward)
+                row = measure_case(case, q, k, v, backward, names)
                 results["cases"].append(row)
                 parts = []
                 for pass_, values in ((p, row[p]) for p in PASSES):
@@ -578,6 +581,12 @@ def main(argv=None):
         "--dims", type=_ints, default=[128, 64], help="head dims of the cases (default 128,64)"
     )
     parser.add_argument("--no-backward", action="store_true", help="time the forward only")
+    parser.add_argument(
+        "--peers",
+        type=lambda s: _names(s, PEERS, "--peers"),
+        default=PEERS,
+        help=f"whom the cases time, from {','.join(PEERS)} (default all)",
+    )
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args(argv)
     parts = args.only or (["compile", "cases"] if args.quick else PARTS)
@@ -600,7 +609,7 @@ def main(argv=None):
     steps = {
         "compile": lambda: compile_time(results, backward),
         "mods": lambda: mods_case(results, backward),
-        "cases": lambda: run_cases(seqs, args.dims, args.cases, backward, results),
+        "cases": lambda: run_cases(seqs, args.dims, args.cases, backward, results, args.peers),
         "sweep": lambda: density_sweep(results),
         "memory": lambda: memory(results),
         "train-memory": lambda: train_memory(results),

@@ -103,6 +103,36 @@ def test_bench_options_and_table(capsys):
     assert line[:3] == ["causal", "4096", "128"] and line[4 + len(bench.PEERS)] == "0.86" and line[-1] == "-"
 
 
+def test_bench_peers_option():
+    bench = _load(ROOT / "benchmarks" / "bench.py")
+    with pytest.raises(SystemExit):
+        bench.main(["--peers", "cusparseattn,nobody"])
+
+
+def test_ab_compares_medians_of_alternating_runs(tmp_path, capsys):
+    ab = _load(ROOT / "benchmarks" / "ab.py")
+
+    def run(ours, flex):
+        row = {
+            "case": "causal",
+            "S": 4096,
+            "D": 64,
+            "fwd": {"cusparseattn": ours, "flex": flex},
+            "fwdbwd": {},
+        }
+        return {"cases": [row]}
+
+    old, new = [run(100.0, 50.0), run(110.0, 52.0), run(90.0, 51.0)], [run(120.0, 50.0), run(99.0, 49.0)]
+    lines = ab.table(old, new)
+    assert len(lines) == 2 and lines[0].split()[:5] == ["fwd", "causal", "S=", "4096", "D="]
+    ours = next(line for line in lines if "cusparseattn" in line)
+    assert "old  100.0  110.0   90.0 | new  120.0   99.0" in ours and ours.endswith(f"x{109.5 / 100:.3f}")
+    for argv in (["--help"], [str(tmp_path)], [str(ROOT), "--only", "cases"], [str(ROOT), "--rounds", "0"]):
+        with pytest.raises(SystemExit):
+            ab.main(argv)
+    assert "a tree must hold cusparseattn/ and kernels/" in capsys.readouterr().err
+
+
 def test_host_time_wraps_every_stage_and_puts_it_back():
     """The host-time breakdown names stages by path: a renamed stage fails here, not on the GPU machine."""
     pytest.importorskip("torch")
