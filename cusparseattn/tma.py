@@ -74,8 +74,9 @@ def tile_map(holder, rows: int) -> np.void:
 
 class TileMaps:
     """The descriptors, as bytes, of arrays laid out as `like` is (shape, strides, dtype) for tiles of `rows`
-    rows, by address: a prepared launch asks for one per array and call, and only the address changes. The
-    last `KEPT` addresses are kept (PyTorch's allocator hands the same few back step after step)."""
+    rows, by address: a prepared launch asks for one per array and call, and only the address changes. Up to
+    `KEPT` addresses are kept, all forgotten at once when one more comes (PyTorch's allocator hands the same
+    few back step after step, so that rarely happens)."""
 
     KEPT = 64
 
