@@ -34,6 +34,7 @@ import numbers
 import operator
 import threading
 import weakref
+from typing import NoReturn
 
 import torch
 
@@ -173,6 +174,13 @@ def _checked(q, k, v, layout, causal, scale, score_mod, backend, backward: bool)
 _ERRORS = {"TypeError": TypeError, "ValueError": ValueError}
 
 
+@torch.compiler.disable
+def _raise(kind: str, message: str) -> NoReturn:
+    """Raise ``_ERRORS[kind](message)`` outside the traced code: PyTorch 2.11's dynamo, seeing a raise in the
+    code it traces, stops compiling that function for good, and then traces its callees (the eager path)."""
+    raise _ERRORS[kind](message)
+
+
 def _not_a_tensor(name: str, type_name: str) -> str:
     why = "cusparseattn.attention takes arrays of any framework"
     return f"{name} must be a torch.Tensor, got {type_name}; {why}"
@@ -185,9 +193,10 @@ def _scale(scale, default: float) -> float:
     if scale is None:
         return default
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None (1/sqrt(D)), got {type(scale).__qualname__}")
+        got = type(scale).__qualname__
+        _raise("TypeError", f"scale must be a real number or None (1/sqrt(D)), got {got}")
     if not -math.inf < scale < math.inf:
-        raise ValueError(f"scale must be finite, got {scale!r}")
+        _raise("ValueError", f"scale must be finite, got {scale!r}")
     return float(scale)
 
 
@@ -232,7 +241,7 @@ def attention(
         _describe(v),
     )
     if error is not None:
-        raise _ERRORS[error[0]](error[1])
+        _raise(*error)
     scale = _scale(scale, default_scale)
     out, lse = torch.ops.cusparseattn.attention_forward(
         q, k, v, layout_key, score_key, scale, backend, recompute

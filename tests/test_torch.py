@@ -501,6 +501,8 @@ def test_compiled_errors_are_the_eager_ones(dynamo):
         compiled(q, k, v, scale=float("inf"))
     with pytest.raises(ValueError, match="backend 'cuda' cannot run the forward"):
         compiled(q, k, v, backend="cuda")
+    # An error while dynamo traces must not leave the function uncompilable: a valid call now compiles too.
+    torch.testing.assert_close(compiled(q, k, v), ca_torch.attention(q, k, v), rtol=0, atol=0)
 
 
 # ---- GPU ----------------------------------------------------------------------------------------------
