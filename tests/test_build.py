@@ -55,10 +55,14 @@ def test_score_mod_specialises_the_source_not_its_values():
     assert spec.tiles[1] <= build.MAX_TILE_N["backward_dq"]["score"] < plain.tiles[1]
 
 
-def test_a_layouts_bit_masks_take_the_hopper_dq_pass_to_smaller_key_tiles():
+def test_bit_masks_and_score_mods_take_the_hopper_dq_pass_to_smaller_key_tiles():
     plain = build.KernelSpec.make("backward_dq_sm90", "bfloat16", 64, "expr", "k <= q")
     bits = build.KernelSpec.make("backward_dq_sm90", "bfloat16", 64, "bits")
     assert bits.tiles[1] <= build.MAX_TILE_N["backward_dq_sm90"]["bits"] < plain.tiles[1]
+    score = build.KernelSpec.make(
+        "backward_dq_sm90", "bfloat16", 64, "expr", "k <= q", score=build.SAMPLE_SCORE
+    )
+    assert score.tiles[1] <= build.MAX_TILE_N["backward_dq_sm90"]["score"] < plain.tiles[1]
     portable = build.KernelSpec.make("backward_dq", "bfloat16", 64, "bits")
     assert portable.tiles == build.tile_config("backward_dq", 64)  # the portable pass has room for them
 
