@@ -72,20 +72,109 @@ def work_order(
     layout (causal, documents) leaves no SM idle at the end. Equal rows keep their order."""
     counts = np.diff(plan.row_ptr).reshape(layout_batch, layout_heads, plan.tiles_q)
     counts = np.broadcast_to(counts, (batch, heads, plan.tiles_q)).reshape(-1)
-    lines = max(1, -(-group_items // plan.tiles_q))
-    group = np.arange(counts.size) // (lines * plan.tiles_q)
+    return _deal(counts, plan.tiles_q, group_items, ctas)[0]
+
+
+def _deal(counts: np.ndarray, line: int, group_items: int, ctas: int) -> tuple[np.ndarray, np.ndarray]:
+    """`work_order`'s deal of items of `counts` tiles each, in lines of `line` items: the table, and the time
+    (in tiles) at which each item starts."""
+    lines = max(1, -(-group_items // line))
+    group = np.arange(counts.size) // (lines * line)
     order = np.lexsort((-counts, group))
     queue = [(0, c) for c in range(min(ctas, len(order)))]
     dealt: list[list[int]] = [[] for _ in queue]
+    start = np.zeros(counts.size, np.int64)
     for item, cost in zip(order.tolist(), (counts[order] + ITEM_COST).tolist(), strict=True):
         free_at, cta = heapq.heappop(queue)
         dealt[cta].append(item)
+        start[item] = free_at
         heapq.heappush(queue, (free_at + cost, cta))
     rounds = max((len(d) for d in dealt), default=0)
     table = np.full((rounds, len(dealt)), -1, np.int32)
     for cta, items in enumerate(dealt):
         table[: len(items), cta] = items
-    return table.reshape(-1)
+    return table.reshape(-1), start
+
+
+@dataclass(frozen=True)
+class ColumnSchedule:
+    """`column_schedule`'s result. A column is a (b, query head, key tile) of the call, numbered
+    ``(b * heads + h) * tiles_k + tile_k``; its visits are its layout column's entries from ``start[column]``
+    on, wrapping around."""
+
+    table: np.ndarray  # int32 [rounds * ctas]: items (b * heads_kv + hk) * tiles_k + tile_k, as work_order's
+    start: np.ndarray  # int32 [columns]: the entry (of the column's own) that its walk begins at
+    rank_ptr: np.ndarray  # int64 [columns + 1]: where each column's ranks begin in `ranks`
+    ranks: np.ndarray  # int32 [visits]: each visit's place among the adds into its query tile, in walk order
+
+
+def column_schedule(
+    plan: TilePlan,
+    layout_batch: int,
+    layout_heads: int,
+    batch: int,
+    heads: int,
+    group: int,
+    ctas: int,
+    group_items: int = 1,
+) -> ColumnSchedule:
+    """The schedule of a persistent pass that walks the key tiles' columns and adds each visit's share of dQ
+    into its query tile in an order fixed for that tile, so that the sums come out the same bits every run.
+
+    An item is a (b, key/value head, key tile): the columns of the group's `group` query heads in turn. Items
+    are dealt as `work_order` deals rows, into lists fixed before the launch. A column's walk begins at its
+    diagonal (its first query tile at or past ``tile_k * tiles_q / tiles_k``), so that the columns of one
+    head, which start together, reach each query tile at different steps. A visit's rank orders the adds into
+    its query tile by the time that the deal predicts for the visit, then by the order of the deal.
+
+    A visit waits for the adds ranked before it, and its CTA's earlier visits, all of which come earlier in
+    that order: the first unfinished visit in it never waits, so the pass cannot deadlock however long each
+    visit takes. Where the deal's prediction holds, a visit waits only where two were expected at one query
+    tile at once.
+    """
+    tiles_q, tiles_k = plan.tiles_q, plan.tiles_k
+    layout_columns = layout_batch * layout_heads * tiles_k
+    counts = np.diff(plan.col_ptr).astype(np.int64)
+    # Each layout column's walk starts at its diagonal: an offset into its own entries.
+    tile_k = np.repeat(np.arange(layout_columns) % tiles_k, counts)
+    before = plan.col_entries[:, 0] < tile_k * tiles_q // tiles_k
+    start = np.zeros(layout_columns, np.int64)
+    np.add.at(start, np.repeat(np.arange(layout_columns), counts), before)
+    start = np.where(counts > 0, start % np.maximum(counts, 1), 0)
+
+    # The call's columns, and their layout columns (a layout of one batch element or head serves them all).
+    b, h, k = (a.reshape(-1) for a in np.indices((batch, heads, tiles_k)))
+    source = ((b % layout_batch) * layout_heads + h % layout_heads) * tiles_k + k
+    col_counts = counts[source]
+    heads_kv = heads // group
+    items = col_counts.reshape(batch, heads_kv, group, tiles_k).sum(axis=2).reshape(-1)
+    table, item_start = _deal(items, tiles_k, group_items, ctas)
+    # When the deal expects each visit: its item's start, past the group's earlier heads' visits.
+    item = (b * heads_kv + h // group) * tiles_k + k
+    earlier = np.cumsum(col_counts.reshape(batch, heads_kv, group, tiles_k), axis=2) - col_counts.reshape(
+        batch, heads_kv, group, tiles_k
+    )
+    column_start = item_start[item] + earlier.reshape(-1)
+    deal_rank = np.empty(items.size, np.int64)
+    deal_rank[np.argsort(item_start, kind="stable")] = np.arange(items.size)
+
+    rank_ptr = np.zeros(col_counts.size + 1, np.int64)
+    np.cumsum(col_counts, out=rank_ptr[1:])
+    column = np.repeat(np.arange(col_counts.size), col_counts)
+    step = np.arange(rank_ptr[-1]) - rank_ptr[column]
+    n = col_counts[column]
+    entry = plan.col_ptr[source[column]] + (start[source[column]] + step) % np.maximum(n, 1)
+    query_tile = (b[column] * heads + h[column]) * tiles_q + plan.col_entries[entry, 0]
+    when = column_start[column] + step
+    order = np.lexsort((deal_rank[item[column]], when, query_tile))
+    ranks = np.empty(order.size, np.int64)
+    tile_sorted = query_tile[order]
+    group_first = np.r_[0, np.flatnonzero(np.diff(tile_sorted)) + 1]
+    sizes = np.diff(np.r_[group_first, order.size])
+    ranks[order] = np.arange(order.size) - np.repeat(group_first, sizes)
+    return ColumnSchedule(
+        table=table, start=start[source].astype(np.int32), rank_ptr=rank_ptr, ranks=ranks.astype(np.int32)
+    )
 
 
 def rule_mode(layout: BlockLayout) -> str:

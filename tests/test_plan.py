@@ -162,3 +162,73 @@ def test_work_order_deals_every_row_once_heaviest_first_in_groups(
     assert (np.diff(group) >= 0).all()
     heavier_first = counts[dealt][:-1] >= counts[dealt][1:]
     assert (heavier_first | (np.diff(group) > 0)).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    layout_lines=st.sampled_from([(1, 1), (1, 4), (2, 1), (2, 4)]),
+    group=st.sampled_from([1, 2, 4]),
+    tiles=st.sampled_from([(64, 128), (64, 64), (128, 64)]),
+    ctas=st.integers(1, 20),
+    seed=st.integers(0, 2**31),
+)
+def test_column_schedule_orders_every_query_tiles_adds_without_deadlock(
+    layout_lines, group, tiles, ctas, seed
+):
+    """The fused backward's schedule: every (b, kv head, key tile) dealt once; each column walks its entries
+    once from `start`; the adds into each query tile are ranked 0, 1, ... once each; and the waits (a visit
+    on its CTA's previous one, and on the add ranked before it) form no cycle, so no timing deadlocks."""
+    batch, heads = 2, 4
+    lb, lh = layout_lines
+    rng = np.random.default_rng(seed)
+    seq = 64 * 6
+    blocks = rng.random((lb, lh, 6, 6)) < 0.5
+    p = plan.build(BlockLayout(blocks, block_size=64, seq_q=seq), *tiles)
+    sched = plan.column_schedule(p, lb, lh, batch, heads, group, ctas)
+    tq, tk = p.tiles_q, p.tiles_k
+    items = batch * (heads // group) * tk
+    assert sorted(sched.table[sched.table >= 0]) == list(range(items))
+    used = min(ctas, items)
+    visits: list[list[tuple[int, int]]] = [[] for _ in range(used)]  # per CTA: (query tile, rank) in order
+    adds = {}
+    for c, item in enumerate(sched.table.tolist()):
+        if item < 0:
+            continue
+        b, hk, k = item // (heads // group * tk), item // tk % (heads // group), item % tk
+        for h in range(hk * group, (hk + 1) * group):
+            column = (b * heads + h) * tk + k
+            source = ((b % lb) * lh + h % lh) * tk + k
+            entries = p.col_entries[p.col_ptr[source] : p.col_ptr[source + 1], 0]
+            n = entries.size
+            assert 0 <= sched.start[column] < max(n, 1)
+            assert sched.rank_ptr[column + 1] - sched.rank_ptr[column] == n
+            for s in range(n):
+                tile = (b * heads + h) * tq + int(entries[(sched.start[column] + s) % n])
+                rank = int(sched.ranks[sched.rank_ptr[column] + s])
+                visits[c % used].append((tile, rank))
+                adds.setdefault(tile, []).append(rank)
+    for tile, ranks in adds.items():  # as many adds as the row has key tiles, ranked once each
+        b, h, i = tile // (heads * tq), tile // tq % heads, tile % tq
+        row = ((b % lb) * lh + h % lh) * tq + i
+        assert sorted(ranks) == list(range(p.row_ptr[row + 1] - p.row_ptr[row]))
+    # Kahn's algorithm over the waits: every visit must come out.
+    node = {(c, j): v for c in range(used) for j, v in enumerate(visits[c])}
+    by_rank = {(tile, rank): key for key, (tile, rank) in node.items()}
+    waits = {key: [(key[0], key[1] - 1)] * (key[1] > 0) for key in node}
+    for key, (tile, rank) in node.items():
+        if rank > 0:
+            waits[key].append(by_rank[(tile, rank - 1)])
+    done, ready = set(), [key for key in node if not waits[key]]
+    blocked = {key: len(w) for key, w in waits.items()}
+    after: dict = {}
+    for key, w in waits.items():
+        for dep in w:
+            after.setdefault(dep, []).append(key)
+    while ready:
+        key = ready.pop()
+        done.add(key)
+        for nxt in after.get(key, []):
+            blocked[nxt] -= 1
+            if blocked[nxt] == 0:
+                ready.append(nxt)
+    assert len(done) == len(node)
