@@ -257,11 +257,13 @@ class KernelSpec:
 
 
 def _wgmma_functions(ns: list[int], types: str) -> list[str]:
-    """kernels/hopper.cuh's wgmma_ss<N> and wgmma_rs<N> for these N: m64nNk16, fp32 accumulators, the
-    accumulator of N / 2 registers spelled out operand by operand (PTX takes no arrays)."""
+    """kernels/hopper.cuh's wgmma_ss<N>, wgmma_ss_bmn<N> (B read MN-major) and wgmma_rs<N> for these N:
+    m64nNk16, fp32 accumulators, the accumulator of N / 2 registers spelled out operand by operand (PTX takes
+    no arrays)."""
     desc = "unsigned long long"
     lines = [
         f"template <int N> __device__ void wgmma_ss(float (&)[N / 8][4], {desc}, {desc}, int);",
+        f"template <int N> __device__ void wgmma_ss_bmn(float (&)[N / 8][4], {desc}, {desc}, int);",
         f"template <int N> __device__ void wgmma_rs(float (&)[N / 8][4], const unsigned (&)[4], {desc});",
     ]
     for n in ns:
@@ -269,13 +271,16 @@ def _wgmma_functions(ns: list[int], types: str) -> list[str]:
         acc = ", ".join(f"%{i}" for i in range(regs))
         outs = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(regs))
         op = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{types}"
+        for name, trans_b in (("wgmma_ss", 0), ("wgmma_ss_bmn", 1)):
+            lines += [
+                f"template <> __device__ __forceinline__ void {name}<{n}>(float (&d)[{n // 8}][4], "
+                "unsigned long long a, unsigned long long b, int accumulate) {",
+                f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n'
+                f'{op} {{{acc}}}, %{regs}, %{regs + 1}, p, 1, 1, 0, {trans_b};\\n}}\\n"',
+                f'                 : {outs} : "l"(a), "l"(b), "r"(accumulate));',
+                "}",
+            ]
         lines += [
-            f"template <> __device__ __forceinline__ void wgmma_ss<{n}>(float (&d)[{n // 8}][4], "
-            "unsigned long long a, unsigned long long b, int accumulate) {",
-            f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n'
-            f'{op} {{{acc}}}, %{regs}, %{regs + 1}, p, 1, 1, 0, 0;\\n}}\\n"',
-            f'                 : {outs} : "l"(a), "l"(b), "r"(accumulate));',
-            "}",
             f"template <> __device__ __forceinline__ void wgmma_rs<{n}>(float (&d)[{n // 8}][4], "
             "const unsigned (&a)[4], unsigned long long b) {",
             f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n'

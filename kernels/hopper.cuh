@@ -225,6 +225,44 @@ __device__ __forceinline__ void to_a_fragments(const float (&acc)[K / 8][4], uns
     }
 }
 
+// Stores a warpgroup's 64 x N product, as its A fragments (rows: the warpgroup's 64, 16 a warp), transposed
+// into `panel`: a swizzled shared panel of N rows and 64 columns, column c of row n holding element [c][n]. That
+// is the K-major A tile of a product that reduces over the warpgroup's rows (dQ = dS K from dS^T). stmatrix's
+// .trans writes each 8 x 8 block's columns as 16-byte rows, which are the swizzle's chunks.
+template <int N>
+__device__ __forceinline__ void store_transposed(const unsigned (&frag)[N / 16][4], elem_t* panel) {
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31;
+    const int block = lane / 8, i = lane % 8;  // this lane addresses row i of 8 x 8 block `block` (frag[.][block])
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk) {
+        const int row = 16 * kk + 8 * (block >> 1) + i;  // a column of the fragments
+        const int chunk = 2 * warp + (block & 1);        // 8 of the warpgroup's rows
+        const unsigned address = smem_address(panel) + row * 128 + ((chunk ^ (row % 8)) * 16);
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address),
+                     "r"(frag[kk][0]), "r"(frag[kk][1]), "r"(frag[kk][2]), "r"(frag[kk][3])
+                     : "memory");
+    }
+}
+
+// Makes this thread's shared-memory stores visible to the warpgroup MMAs (the async proxy) that read them
+// after a barrier.
+__device__ __forceinline__ void fence_stores_for_mma() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// acc (64 x HEAD_DIM) = A B over K: A a K-major shared tile of 64 rows in panels of 64 columns
+// (store_transposed's), B the first K rows of a shared tile of B_ROWS rows, read MN-major. Issued as one group
+// and left in flight.
+template <int K, int B_ROWS>
+__device__ __forceinline__ void issue_AB(float (&acc)[HEAD_DIM / 8][4], const elem_t* a, const elem_t* b) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        const int panel = kk / 4, col = (kk % 4) * 16;
+        wgmma_ss_bmn<HEAD_DIM>(acc, smem_desc(a + panel * 64 * 64 + col), smem_desc(b + kk * 16 * 64, B_ROWS * 128),
+                               kk > 0);
+    }
+    wgmma_commit();
+}
+
 // Turns between two consumer warpgroups (named barriers 1 and 2, 256 threads each: one warpgroup waits, the
 // other arrives). Consumer c takes its turn on barrier 1 + c and passes it on barrier 2 - c: while one issues
 // its products, the other runs its softmax.

@@ -1,13 +1,16 @@
 // One warpgroup runs the Hopper primitives of kernels/hopper.cuh once, each result written out, so that a
-// failure of the Hopper forward can be pinned on one of them (tests/test_hopper_probe.py): the TMA copy (the
-// raw, swizzled shared tile of K), S = Q K^T (wgmma from shared memory) and O = P V (wgmma with P from
-// registers, V read MN-major). The test prepends a forward_sm90 prelude and hopper.cuh.
+// failure of a Hopper kernel can be pinned on one of them (tests/test_hopper_probe.py): the TMA copy (the
+// raw, swizzled shared tile of K), S = Q K^T (wgmma from shared memory), O = P V (wgmma with P from
+// registers, V read MN-major), and the dQ product's pieces: X^T = K Q^T stored transposed (stmatrix) as a
+// K-major tile X, then X K with K read MN-major. The test prepends a backward_dkdv_sm90 prelude (its wgmma
+// widths include 64) and hopper.cuh.
 using namespace csa;
 
 struct alignas(1024) ProbeShared {
     elem_t q[64 * HEAD_DIM];
     elem_t k[TILE_N * HEAD_DIM];
     elem_t v[TILE_N * HEAD_DIM];
+    elem_t x[64 * 64];
     Barrier full;
 };
 
@@ -21,7 +24,8 @@ __device__ void store_accumulator(const float (&acc)[N / 8][4], float* out) {
 
 extern "C" __global__ void __launch_bounds__(128)
     csa_probe(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
-              const __grid_constant__ TensorMap v_map, elem_t* k_raw, float* s_out, float* o_out) {
+              const __grid_constant__ TensorMap v_map, elem_t* k_raw, float* s_out, float* o_out, elem_t* x_raw,
+              float* xk_out) {
     extern __shared__ unsigned char smem_raw[];
     ProbeShared& sh = aligned_shared<ProbeShared>(smem_raw);
     if (threadIdx.x == 0) {
@@ -53,4 +57,20 @@ extern "C" __global__ void __launch_bounds__(128)
     fence_operands(o);
     fence_operands(pa);
     store_accumulator<HEAD_DIM>(o, o_out);
+
+    float xt[64 / 8][4];  // K's first 64 rows against Q's 64: the transpose of S's first 64 columns
+    issue_ABt<64, TILE_N>(xt, sh.k, sh.q);
+    wgmma_wait<0>();
+    fence_operands(xt);
+    unsigned xf[64 / 16][4];
+    to_a_fragments<64>(xt, xf);
+    store_transposed<64>(xf, sh.x);
+    fence_stores_for_mma();
+    __syncthreads();
+    for (int i = threadIdx.x; i < 64 * 64; i += 128) x_raw[i] = sh.x[i];
+    float xk[HEAD_DIM / 8][4];
+    issue_AB<64, TILE_N>(xk, sh.x, sh.k);
+    wgmma_wait<0>();
+    fence_operands(xk);
+    store_accumulator<HEAD_DIM>(xk, xk_out);
 }

@@ -1,6 +1,6 @@
 """The Hopper primitives one at a time (tests/hopper_probe.cu), on an H100/H200: the TMA copy's swizzled
-shared tile, S = Q K^T from shared memory, and O = P V with P from registers. When the Hopper forward fails,
-these say which piece is wrong."""
+shared tile, S = Q K^T from shared memory, O = P V with P from registers, and a transposed store followed by
+a product with B read MN-major. When a Hopper kernel fails, these say which piece is wrong."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ def _probe(dtype: str, head_dim: int):
 
     if cuda.compute_capability(0) != 90:
         pytest.skip("the Hopper primitives need compute capability 9.0")
-    spec = build.KernelSpec.make("forward_sm90", dtype, head_dim)
+    spec = build.KernelSpec.make("backward_dkdv_sm90", dtype, head_dim)
     source = spec.prelude() + build._inline("hopper.cuh") + SOURCE.read_text()
     function = cupy.RawModule(code=source, options=build.nvrtc_options(spec.arch)).get_function("csa_probe")
-    shared = (64 + 2 * 128) * head_dim * 2 + 1024 + 1024
+    shared = (64 + 2 * 128) * head_dim * 2 + 64 * 64 * 2 + 1024 + 1024
     function.max_dynamic_shared_size_bytes = shared
     return function, shared
 
@@ -48,7 +48,10 @@ def test_tma_and_both_warpgroup_products(dtype, head_dim):
     k_raw = torch.full((128 * head_dim,), float("nan"), dtype=tk.dtype, device="cuda")
     s_out = torch.full((64, 128), float("nan"), device="cuda")
     o_out = torch.full((64, head_dim), float("nan"), device="cuda")
-    function((1,), (128,), (*maps, k_raw.data_ptr(), s_out.data_ptr(), o_out.data_ptr()), shared_mem=shared)
+    x_raw = torch.full((64 * 64,), float("nan"), dtype=tk.dtype, device="cuda")
+    xk_out = torch.full((64, head_dim), float("nan"), device="cuda")
+    outs = (k_raw, s_out, o_out, x_raw, xk_out)
+    function((1,), (128,), (*maps, *(t.data_ptr() for t in outs)), shared_mem=shared)
     torch.cuda.synchronize()
 
     # TMA: panel p, row r, 16-byte chunk c of the tile sits at chunk c ^ (r % 8) of its 128-byte row.
@@ -69,3 +72,13 @@ def test_tma_and_both_warpgroup_products(dtype, head_dim):
     o = p @ v[0, 0].astype(np.float64)
     bound = 1e-4 * np.abs(p) @ np.abs(v[0, 0].astype(np.float64)) + 1e-4
     assert np.all(np.abs(to_host(o_out) - o) <= bound), "O = P V (register A, MN-major B)"
+
+    # X = (K[:64] Q^T)^T = Q K[:64]^T rounded, stored by stmatrix .trans in the swizzled layout of a TMA tile.
+    stored = to_host(x_raw).reshape(64, 8, 8)  # row, 16-byte chunk, element
+    x = np.stack([stored[r, [c ^ (r % 8) for c in range(8)]].reshape(64) for r in range(64)]).astype(
+        np.float64
+    )
+    np.testing.assert_allclose(x, s[:, :64], rtol=1e-2, atol=1e-2, err_msg="X: transposed swizzled store")
+    xk = x @ k[0, 0, :64].astype(np.float64)
+    bound = 1e-4 * np.abs(x) @ np.abs(k[0, 0, :64].astype(np.float64)) + 1e-4
+    assert np.all(np.abs(to_host(xk_out) - xk) <= bound), "X K (shared K-major A, MN-major B)"
