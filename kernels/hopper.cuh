@@ -273,6 +273,49 @@ __device__ __forceinline__ void pass_turn(int consumer) {
     asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - consumer) : "memory");
 }
 
+// ---- sums in a fixed order across CTAs ----------------------------------------------------------------------
+// Several CTAs add their parts into one fp32 tile in global memory, each at its rank, so that the sum comes out
+// the same bits every run without atomics on the data: a counter beside the tile holds how many adds are done.
+__device__ __forceinline__ int load_acquire(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void store_release(int* p, int v) {
+    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// The add ranked `rank` into `tile` (ROWS x COLS floats, rows `row_stride` apart) of `part` (shared, ROWS x COLS,
+// dense), by THREADS_ threads `thread` = 0, 1, ... that share named barrier `bar`: waits until `counter` reads
+// `rank`, adds (rank 0 stores), and sets it to rank + 1 once the stores are visible. Loads and stores bypass L1,
+// which other SMs' adds leave stale.
+template <int ROWS, int COLS, int THREADS_>
+__device__ __forceinline__ void ordered_add(float* tile, long long row_stride, const float* part, int* counter,
+                                            int rank, int bar, int thread) {
+    static_assert(COLS % 4 == 0, "whole float4s");
+    if (thread == 0)
+        while (load_acquire(counter) != rank) __nanosleep(32);
+    named_barrier(bar, THREADS_);
+    for (int i = thread; i < ROWS * COLS / 4; i += THREADS_) {
+        const int r = i / (COLS / 4), c = i % (COLS / 4) * 4;
+        float4 x = *reinterpret_cast<const float4*>(part + r * COLS + c);
+        float4* dst = reinterpret_cast<float4*>(tile + r * row_stride + c);
+        if (rank > 0) {
+            const float4 y = __ldcg(dst);
+            x = make_float4(y.x + x.x, y.y + x.y, y.z + x.z, y.w + x.w);
+        }
+        __stcg(dst, x);
+    }
+    named_barrier(bar, THREADS_);
+    if (thread == 0) {
+        __threadfence();
+        store_release(counter, rank + 1);
+    }
+}
+
 // ---- registers ------------------------------------------------------------------------------------------
 // A warpgroup's per-thread register budget: the producer gives registers back, the consumers take them.
 template <int REGS>

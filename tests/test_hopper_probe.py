@@ -15,7 +15,7 @@ pytestmark = pytest.mark.gpu
 SOURCE = env.kernels_dir().parent / "tests" / "hopper_probe.cu"
 
 
-def _probe(dtype: str, head_dim: int):
+def _module(dtype: str, head_dim: int):
     import cupy
 
     from cusparseattn import cuda
@@ -24,7 +24,11 @@ def _probe(dtype: str, head_dim: int):
         pytest.skip("the Hopper primitives need compute capability 9.0")
     spec = build.KernelSpec.make("backward_dkdv_sm90", dtype, head_dim)
     source = spec.prelude() + build._inline("hopper.cuh") + SOURCE.read_text()
-    function = cupy.RawModule(code=source, options=build.nvrtc_options(spec.arch)).get_function("csa_probe")
+    return cupy.RawModule(code=source, options=build.nvrtc_options(spec.arch))
+
+
+def _probe(dtype: str, head_dim: int):
+    function = _module(dtype, head_dim).get_function("csa_probe")
     shared = (64 + 2 * 128) * head_dim * 2 + 64 * 64 * 2 + 1024 + 1024
     function.max_dynamic_shared_size_bytes = shared
     return function, shared
@@ -82,3 +86,25 @@ def test_tma_and_both_warpgroup_products(dtype, head_dim):
     xk = x @ k[0, 0, :64].astype(np.float64)
     bound = 1e-4 * np.abs(x) @ np.abs(k[0, 0, :64].astype(np.float64)) + 1e-4
     assert np.all(np.abs(to_host(xk_out) - xk) <= bound), "X K (shared K-major A, MN-major B)"
+
+
+def test_ordered_add_sums_in_rank_order_to_the_bit():
+    """Eight CTAs add their parts into one tile, each at its rank (not in launch order): the result is the
+    float32 sum taken in rank order, bit for bit, every run."""
+    torch = _torch()
+    function = _module("bfloat16", 64).get_function("csa_probe_ordered_add")
+    rng = np.random.default_rng(0)
+    parts = rng.standard_normal((8, 64, 64)).astype(np.float32) * np.float32(10.0) ** rng.integers(
+        -3, 4, (8, 1, 1)
+    )
+    ranks = rng.permutation(8).astype(np.int32)
+    want = np.zeros((64, 64), np.float32)
+    for c in np.argsort(ranks):
+        want = want + parts[c]  # float32, in rank order
+    for _ in range(3):
+        tile = torch.full((64, 64), float("nan"), device="cuda")
+        counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+        args = (torch.from_numpy(parts).cuda(), torch.from_numpy(ranks).cuda(), tile, counter)
+        function((8,), (128,), tuple(t.data_ptr() for t in args))
+        torch.cuda.synchronize()
+        assert np.array_equal(to_host(tile), want) and counter.item() == 8
