@@ -61,13 +61,16 @@ TILES = {
     "forward_sm90": {128: [(128, 128, 12)]},
     "backward_dq_sm90": {64: [(128, 128, 12), (128, 64, 12)], 128: [(128, 64, 12)]},
     "backward_dkdv_sm90": {128: [(64, 128, 12)]},
+    # The fused backward (dK, dV and dQ in one pass, dQ summed in a fixed order): 64 queries a visit, two
+    # consumers of 64 keys. Not yet chosen by any backend.
+    "backward_sm90": {128: [(64, 128, 12)]},
 }
 # Hopper kernels (sm_90a: TMA, wgmma, a producer warpgroup) take head dims of whole 64-element panels.
 HOPPER_HEAD_DIMS = (64, 128)
 # Buffers of each Hopper pass's ring (hopper.cuh's STAGES): the dK/dV pass holds a (Q, dO) slot until the next
 # use's scores are issued, so it takes more to keep its loads ahead.
-HOPPER_STAGES = {"forward_sm90": 2, "backward_dq_sm90": 2, "backward_dkdv_sm90": 3}
-ARCH = {"forward_sm90": "sm_90a", "backward_dq_sm90": "sm_90a", "backward_dkdv_sm90": "sm_90a"}
+HOPPER_STAGES = {"forward_sm90": 2, "backward_dq_sm90": 2, "backward_dkdv_sm90": 3, "backward_sm90": 2}
+ARCH = dict.fromkeys(HOPPER_STAGES, "sm_90a")
 KERNELS = tuple(TILES)
 # The dQ passes keep more beside the scores and dO V^T with a score mod (its derivative's arithmetic) or with
 # a layout's bit masks (their words): key tiles of 128 then spill at head dim 64, so they take the next tiles.
@@ -91,6 +94,14 @@ def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int
             "backward_dkdv_sm90": 2 * head_dim * (2 * tn + 2 * stages * tm)
             + stages * 2 * 4 * tm
             + barrier * (1 + 2 * stages),
+            # as the dK/dV pass's, and two dS tiles, two fp32 dQ shares, eight 8-byte DqAdds; barriers: K and
+            # V full and empty, the shares' full and empty, the DqAdds', the ring's
+            "backward_sm90": 2 * head_dim * (2 * tn + 2 * stages * tm)
+            + 2 * 2 * tm * tn
+            + 2 * 4 * tm * head_dim
+            + stages * 2 * 4 * tm
+            + 8 * 8
+            + barrier * (2 + 4 + 8 + 2 * stages),
         }[kernel]
         return -(-payload // 1024) * 1024 + 1024
     if kernel == "backward_dq":  # Q and dO, two stages of K and V
@@ -146,6 +157,8 @@ PARAMS = np.dtype(
         ("q_origin", np.int64), ("k_origin", np.int64),
         ("score_ip", np.int64, (8,)), ("score_fp", np.float32, (8,)), ("score_a", np.uint64, (4,)),
         ("work", np.uint64), ("work_count", np.int32), ("rule_narrow", np.int32),
+        ("dq_accum", np.uint64), ("dq_count", np.uint64), ("col_start", np.uint64), ("rank_ptr", np.uint64),
+        ("ranks", np.uint64),
     ],
     align=True,
 )  # fmt: skip

@@ -87,6 +87,11 @@ struct Params {
     const int* work;                            // persistent passes: (batch, head, tile) items, heaviest first
     int work_count;
     int rule_narrow;                            // RULE_EXPR: evaluate the rule in int (cuda.py: rule_narrow)
+    float* dq_accum;                            // fused backward: fp32 [B, Hq, tiles_q * TILE_M, HEAD_DIM]
+    int* dq_count;                              // fused backward: [B * Hq * tiles_q] adds done, zeroed before
+    const int* col_start;                       // fused backward (plan.column_schedule): per call column
+    const long long* rank_ptr;                  // its first rank
+    const int* ranks;                           // each visit's rank among its query tile's adds
 };
 
 // The layout's (batch, head) line for batch b, query head h: a shared layout has one line for all of them.

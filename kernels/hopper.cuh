@@ -248,17 +248,16 @@ __device__ __forceinline__ void store_transposed(const unsigned (&frag)[N / 16][
 // after a barrier.
 __device__ __forceinline__ void fence_stores_for_mma() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// acc (64 x HEAD_DIM) = A B over K: A a K-major shared tile of 64 rows in panels of 64 columns
-// (store_transposed's), B the first K rows of a shared tile of B_ROWS rows, read MN-major. Issued as one group
-// and left in flight.
-template <int K, int B_ROWS>
-__device__ __forceinline__ void issue_AB(float (&acc)[HEAD_DIM / 8][4], const elem_t* a, const elem_t* b) {
+// acc (64 x N) = A B over K: A a K-major shared tile of 64 rows in panels of 64 columns (store_transposed's),
+// B the first K rows of a shared tile of B_ROWS rows from `b`, read MN-major (N columns: one 64-wide panel, or
+// HEAD_DIM of them). Issued as one group and left in flight.
+template <int N, int K, int B_ROWS>
+__device__ __forceinline__ void issue_AB(float (&acc)[N / 8][4], const elem_t* a, const elem_t* b) {
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
         const int panel = kk / 4, col = (kk % 4) * 16;
-        wgmma_ss_bmn<HEAD_DIM>(acc, smem_desc(a + panel * 64 * 64 + col), smem_desc(b + kk * 16 * 64, B_ROWS * 128),
-                               kk > 0);
+        wgmma_ss_bmn<N>(acc, smem_desc(a + panel * 64 * 64 + col), smem_desc(b + kk * 16 * 64, B_ROWS * 128), kk > 0);
     }
     wgmma_commit();
 }
@@ -288,32 +287,27 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// The add ranked `rank` into `tile` (ROWS x COLS floats, rows `row_stride` apart) of `part` (shared, ROWS x COLS,
-// dense), by THREADS_ threads `thread` = 0, 1, ... that share named barrier `bar`: waits until `counter` reads
-// `rank`, adds (rank 0 stores), and sets it to rank + 1 once the stores are visible. Loads and stores bypass L1,
-// which other SMs' adds leave stale.
-template <int ROWS, int COLS, int THREADS_>
-__device__ __forceinline__ void ordered_add(float* tile, long long row_stride, const float* part, int* counter,
-                                            int rank, int bar, int thread) {
-    static_assert(COLS % 4 == 0, "whole float4s");
-    if (thread == 0)
-        while (load_acquire(counter) != rank) __nanosleep(32);
-    named_barrier(bar, THREADS_);
-    for (int i = thread; i < ROWS * COLS / 4; i += THREADS_) {
-        const int r = i / (COLS / 4), c = i % (COLS / 4) * 4;
-        float4 x = *reinterpret_cast<const float4*>(part + r * COLS + c);
-        float4* dst = reinterpret_cast<float4*>(tile + r * row_stride + c);
-        if (rank > 0) {
-            const float4 y = __ldcg(dst);
-            x = make_float4(y.x + x.x, y.y + x.y, y.z + x.z, y.w + x.w);
-        }
-        __stcg(dst, x);
+// The add ranked `rank` of `part` (shared, `bytes`) into `tile` (global fp32, as long), by one thread: waits
+// until `counter` reads `rank`, then copies (rank 0) or adds the part in by a bulk TMA reduction, waits for it
+// to land, and sets the counter to rank + 1. Only one CTA writes the tile at a time, in rank order, so every
+// element sums in that order: the same bits every run. `part`'s generic stores must be fenced for the async
+// proxy (fence_stores_for_mma) by the threads that made them.
+__device__ __forceinline__ void ordered_reduce(float* tile, const float* part, unsigned bytes, int* counter, int rank) {
+    while (load_acquire(counter) != rank) __nanosleep(32);
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the earlier adds, seen by this one
+    if (rank == 0) {
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(tile),
+                     "r"(smem_address(part)), "r"(bytes)
+                     : "memory");
+    } else {
+        asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(tile),
+                     "r"(smem_address(part)), "r"(bytes)
+                     : "memory");
     }
-    named_barrier(bar, THREADS_);
-    if (thread == 0) {
-        __threadfence();
-        store_release(counter, rank + 1);
-    }
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    asm volatile("fence.proxy.async.global;\n" ::: "memory");  // this add, before the counter says so
+    store_release(counter, rank + 1);
 }
 
 // ---- registers ------------------------------------------------------------------------------------------

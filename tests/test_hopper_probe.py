@@ -88,11 +88,11 @@ def test_tma_and_both_warpgroup_products(dtype, head_dim):
     assert np.all(np.abs(to_host(xk_out) - xk) <= bound), "X K (shared K-major A, MN-major B)"
 
 
-def test_ordered_add_sums_in_rank_order_to_the_bit():
-    """Eight CTAs add their parts into one tile, each at its rank (not in launch order): the result is the
-    float32 sum taken in rank order, bit for bit, every run."""
+def test_ordered_reduce_sums_in_rank_order_to_the_bit():
+    """Eight CTAs add their parts into one tile, each at its rank (not in launch order): the tile holds the
+    float32 sum in rank order, bit for bit, every run."""
     torch = _torch()
-    function = _module("bfloat16", 64).get_function("csa_probe_ordered_add")
+    function = _module("bfloat16", 64).get_function("csa_probe_ordered_reduce")
     rng = np.random.default_rng(0)
     parts = rng.standard_normal((8, 64, 64)).astype(np.float32) * np.float32(10.0) ** rng.integers(
         -3, 4, (8, 1, 1)

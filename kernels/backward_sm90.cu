@@ -1,0 +1,243 @@
+// Block-sparse flash attention, the whole backward for Hopper (sm_90a) in one pass: dK, dV and dQ, after the
+// row statistics (lse * log2(e) and delta = rowsum(dO * O)) are in the scratch.
+//
+// Persistent: a CTA walks its items of the schedule (plan.column_schedule; entries blockIdx.x,
+// blockIdx.x + gridDim.x, ... up to a -1): every (batch element, key/value head, key tile), visiting the
+// column of each query head of the group in turn, each column from its diagonal on. Three warpgroups.
+// - Warp 0 of the producer copies an item's K and V tiles once and streams each visit's Q, dO and statistics
+//   through a ring.
+// - Each consumer warpgroup owns 64 keys: S^T = K Q^T and dP^T = V dO^T, P^T and dS^T in registers,
+//   dV += P^T dO and dK += dS^T Q (as backward_dkdv_sm90.cu does), and dS^T stored transposed as its half of
+//   a shared dS tile. Then the visit's share of dQ, dS K over the tile's keys: each consumer takes half the
+//   head dim (128), or the consumers take the visits in turn (64). The share goes to a shared fp32 buffer.
+// - A thread of warp 1 adds those shares into an fp32 dQ accumulator in global memory by bulk TMA reductions,
+//   in the order the schedule ranks the adds into each query tile (ordered_reduce: one CTA at a time, so the
+//   same bits every run); a last small pass scales dQ and rounds it to the element type.
+// dK and dV are written once per item. Five products per visit, against seven for the dQ and dK/dV passes.
+#include "hopper.cuh"
+
+using namespace csa;
+
+static_assert(TILE_N == CONSUMERS * 64, "two 64-key consumers");
+static_assert(TILE_M == 64, "a visit's dS is one 64-row wgmma A tile");
+
+constexpr unsigned KV_BYTES = TILE_N * HEAD_DIM * sizeof(elem_t);
+constexpr unsigned Q_BYTES = TILE_M * HEAD_DIM * sizeof(elem_t);
+constexpr unsigned STAT_BYTES = TILE_M * sizeof(float);
+constexpr int DS_BAR = 3;  // a named barrier of the consumers (1 and 2 are their turns in the other passes)
+// The head-dim columns of dQ that a consumer's product covers, 64 either way.
+constexpr int DQ_N = 64;
+
+// What the adding thread needs of a visit, which the loading thread works out as it issues the visit's copies,
+// so that the adding thread keeps no walk of its own. line < 0: no more visits.
+struct DqAdd {
+    int line;  // (b * heads_q + h) * tiles_q + query tile: the accumulator's tile and its counter
+    int rank;
+};
+// The loading thread runs at most STAGES visits ahead of the consumers, which run at most two ahead of the
+// adding thread: a ring of 8 is never overwritten while read.
+constexpr int ADDS = 8;
+
+struct alignas(1024) Shared {
+    elem_t k[TILE_N * HEAD_DIM];
+    elem_t v[TILE_N * HEAD_DIM];
+    elem_t q[STAGES][TILE_M * HEAD_DIM];
+    elem_t dout[STAGES][TILE_M * HEAD_DIM];
+    elem_t ds[2][TILE_M * TILE_N];         // dS of a visit: [key panel][query][64 keys], swizzled
+    float dq_part[2][TILE_M * HEAD_DIM];  // the visit's share of dQ, row-major
+    float stats[STAGES][2][TILE_M];       // lse * log2(e) and delta of the visit's rows
+    DqAdd adds[ADDS];                     // the adding thread's work, visit by visit
+    Barrier kv_full, kv_empty;            // K and V of an item; released by every consumer thread
+    Barrier part_full[2], part_empty[2];  // dq_part: written by the consumers, added by the adding thread
+    Barrier add_full[ADDS];               // adds[i]: written
+    Ring<STAGES> q_ring;                  // Q, dO and their statistics
+};
+static_assert(sizeof(Shared) + 1024 == SHARED_BYTES, "the builder launches with the kernel's shared memory size");
+
+// An item of the schedule and its visits in order: for each query head of the group, its column's entries
+// from col_start on, wrapping around. Producer, consumers and writers all walk it, and so agree on every
+// buffer and barrier phase.
+struct Visits {
+    const Params& p;
+    int b = -1, hk = 0, tile_k = 0;
+    int j = -1, i = 0, start = 0, column = 0;  // head of the group, step of its column
+    Span span{0, 0};
+
+    __device__ Visits(const Params& p_, int item) : p(p_) {
+        if (item < 0) return;
+        const int heads_kv = p.heads_q / p.group;
+        tile_k = item % p.tiles_k;
+        hk = (item / p.tiles_k) % heads_kv;
+        b = item / (p.tiles_k * heads_kv);
+        skip_empty();
+    }
+    __device__ bool done() const { return j >= p.group; }
+    __device__ int h() const { return hk * p.group + j; }
+    __device__ int2 entry() const { return p.col_entries[span.begin + (start + i) % span.count]; }
+    __device__ int rank() const { return p.ranks[p.rank_ptr[column] + i]; }
+    __device__ void next() {
+        ++i;
+        skip_empty();
+    }
+
+  private:
+    __device__ void skip_empty() {
+        while (i >= span.count && ++j < p.group) {
+            span = column_span(p, b, h(), tile_k);
+            column = (b * p.heads_q + h()) * p.tiles_k + tile_k;
+            start = p.col_start[column];
+            i = 0;
+        }
+    }
+};
+
+__device__ __forceinline__ int item_at(const Params& p, int w) { return w < p.work_count ? p.work[w] : -1; }
+
+extern "C" __global__ void __launch_bounds__(THREADS, 1)
+    csa_backward_sm90(const __grid_constant__ Params p, const __grid_constant__ TensorMap q_map,
+                      const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map,
+                      const __grid_constant__ TensorMap do_map) {
+    extern __shared__ unsigned char smem_raw[];
+    Shared& sh = aligned_shared<Shared>(smem_raw);
+    if (threadIdx.x == 0 && dynamic_smem_size() < SHARED_BYTES) __trap();
+    const int warpgroup = threadIdx.x / 128;
+
+    if (threadIdx.x == 0) {
+        sh.kv_full.init(1);
+        sh.kv_empty.init(CONSUMERS * 128);
+        for (int s = 0; s < 2; ++s) {
+            sh.part_full[s].init(CONSUMERS * 128);
+            sh.part_empty[s].init(1);
+        }
+        for (int s = 0; s < ADDS; ++s) sh.add_full[s].init(1);
+        sh.q_ring.init(CONSUMERS * 128);
+        fence_barrier_init();
+    }
+    __syncthreads();
+
+    if (warpgroup == 0) {
+        // The loading thread walks the schedule and works out the adds: 32 registers (24 spill), which with
+        // the consumers' 240 fill the register file.
+        release_registers<32>();
+        if (threadIdx.x == 0) {
+            int n = 0;  // visits so far: uses of the ring
+            for (int w = blockIdx.x, items = 0;; w += gridDim.x, ++items) {
+                Visits visits(p, item_at(p, w));
+                if (visits.b < 0) break;
+                sh.kv_empty.wait((items & 1) ^ 1);  // the last item's consumers are done with K and V
+                sh.kv_full.expect_bytes(2 * KV_BYTES);
+                tma_load_tile(sh.k, k_map, sh.kv_full, visits.tile_k * TILE_N, visits.hk, visits.b);
+                tma_load_tile(sh.v, v_map, sh.kv_full, visits.tile_k * TILE_N, visits.hk, visits.b);
+                for (; !visits.done(); visits.next(), ++n) {
+                    const int tile_q = visits.entry().x, q0 = tile_q * TILE_M, h = visits.h(), b = visits.b;
+                    const int line = (b * p.heads_q + h) * p.tiles_q + tile_q;
+                    sh.adds[n % ADDS] = {line, visits.rank()};
+                    sh.add_full[n % ADDS].arrive();
+                    const int slot = n % STAGES;
+                    Barrier& full = sh.q_ring.fill(n, 2 * Q_BYTES + 2 * STAT_BYTES);
+                    tma_load_tile(sh.q[slot], q_map, full, q0, h, b);
+                    tma_load_tile(sh.dout[slot], do_map, full, q0, h, b);
+                    bulk_load(sh.stats[slot][STAT_LSE2], stat_row(p, b, h, STAT_LSE2) + q0, STAT_BYTES, full);
+                    bulk_load(sh.stats[slot][STAT_DELTA], stat_row(p, b, h, STAT_DELTA) + q0, STAT_BYTES, full);
+                }
+            }
+            sh.adds[n % ADDS].line = -1;
+            sh.add_full[n % ADDS].arrive();
+        } else if (threadIdx.x == 32) {
+            for (int n = 0;; ++n) {
+                sh.add_full[n % ADDS].wait((n / ADDS) & 1);
+                const DqAdd add = sh.adds[n % ADDS];
+                if (add.line < 0) break;
+                sh.part_full[n % 2].wait((n / 2) & 1);
+                ordered_reduce(p.dq_accum + (long long)add.line * TILE_M * HEAD_DIM, sh.dq_part[n % 2],
+                               sizeof(sh.dq_part[0]), p.dq_count + add.line, add.rank);
+                sh.part_empty[n % 2].arrive();
+            }
+        }
+        return;
+    }
+    claim_registers<240>();
+
+    const int consumer = warpgroup - 1;
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31, t = lane & 3, g = lane >> 2;
+    const int keys = consumer * 64;  // this consumer's first key in the tile
+    const float scale_log2 = softmax_scale(p) * LOG2E;
+    float st[TILE_M / 8][4], dpt[TILE_M / 8][4];  // S^T (64 keys x TILE_M queries), dP^T
+    unsigned p_frag[TILE_M / 16][4], ds_frag[TILE_M / 16][4];
+    float dk[HEAD_DIM / 8][4], dv[HEAD_DIM / 8][4], dq[DQ_N / 8][4];
+
+    int n = 0;
+    for (int w = blockIdx.x, items = 0;; w += gridDim.x, ++items) {
+        Visits visits(p, item_at(p, w));
+        if (visits.b < 0) break;
+        const int b = visits.b, k_tile0 = visits.tile_k * TILE_N;
+        zero(dk);
+        zero(dv);
+        sh.kv_full.wait(items & 1);
+        for (; !visits.done(); visits.next(), ++n) {
+            const int2 e = visits.entry();
+            const int h = visits.h(), q0 = e.x * TILE_M, slot = n % STAGES, buf = n % 2;
+            sh.q_ring.wait(n);
+            issue_ABt<TILE_M, TILE_N>(st, sh.k + keys * 64, sh.q[slot]);
+            issue_ABt<TILE_M, TILE_N>(dpt, sh.v + keys * 64, sh.dout[slot]);
+            // The partial tile's mask is worked out while the tensor cores run.
+            const unsigned long long keep =
+                mask_bits<true, TILE_M>(p, e.y, b, h, q0, k_tile0, keys + warp * 16, lane);
+            const float* lse2 = sh.stats[slot][STAT_LSE2];
+            const float* delta = sh.stats[slot][STAT_DELTA];
+            wgmma_wait<0>();
+            fence_operands(st);
+            fence_operands(dpt);
+            apply_score_mod<true, TILE_M>(
+                p, st, dpt, [&](int c, int jj) { return delta[c * 8 + 2 * t + (jj & 1)]; }, b, h,
+                TilePos<true>(p, q0, k_tile0, keys + warp * 16, lane));
+            if (e.y >= 0) apply_mask<TILE_M>(st, keep);
+#pragma unroll
+            for (int c = 0; c < TILE_M / 8; ++c)
+#pragma unroll
+                for (int jj = 0; jj < 4; ++jj) {
+                    const int col = c * 8 + 2 * t + (jj & 1);
+                    st[c][jj] = exp2f(fmaf(st[c][jj], scale_log2, -lse2[col]));  // P^T
+                    dpt[c][jj] = dscore(st[c][jj], dpt[c][jj], delta[col]);    // dS^T
+                }
+            to_a_fragments<TILE_M>(st, p_frag);
+            to_a_fragments<TILE_M>(dpt, ds_frag);
+            // dS^T's 64 keys become this consumer's panel of dS; both halves are in before either reads them.
+            store_transposed<TILE_M>(ds_frag, sh.ds[buf] + consumer * TILE_M * 64);
+            fence_stores_for_mma();
+            named_barrier(DS_BAR, CONSUMERS * 128);
+            issue_PB<TILE_M>(dv, p_frag, sh.dout[slot]);
+            issue_PB<TILE_M>(dk, ds_frag, sh.q[slot]);
+            // dQ's share: head-dim columns [dq_col, dq_col + 64), by this consumer on this visit or not at all.
+            const bool mine = HEAD_DIM == 2 * DQ_N || (n & 1) == consumer;
+            const int dq_col = HEAD_DIM == 2 * DQ_N ? consumer * DQ_N : 0;
+            if (mine) issue_AB<DQ_N, TILE_N, TILE_N>(dq, sh.ds[buf], sh.k + dq_col * TILE_N);
+            wgmma_wait<0>();
+            fence_operands(dv);
+            fence_operands(dk);
+            fence_operands(dq);
+            fence_operands(p_frag);
+            fence_operands(ds_frag);
+            sh.q_ring.release(n);
+            sh.part_empty[buf].wait(((n / 2) & 1) ^ 1);
+            if (mine) {
+                float* part = sh.dq_part[buf];
+#pragma unroll
+                for (int c = 0; c < DQ_N / 8; ++c)
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const int row = warp * 16 + g + 8 * r, col = dq_col + c * 8 + 2 * t;
+                        *reinterpret_cast<float2*>(part + row * HEAD_DIM + col) =
+                            make_float2(dq[c][2 * r], dq[c][2 * r + 1]);
+                    }
+                fence_stores_for_mma();  // for the bulk reduction that reads them
+            }
+            sh.part_full[buf].arrive();
+        }
+        sh.kv_empty.arrive();
+        const int hk = visits.hk, row0 = k_tile0 + keys + warp * 16;
+        const float one[2] = {1.f, 1.f}, scale[2] = {p.scale, p.scale};
+        store_rows<HEAD_DIM>(dv, one, p.dv + b * p.dv_sb + hk * p.dv_sh, p.dv_ss, row0, p.seq_k, 0, lane);
+        store_rows<HEAD_DIM>(dk, scale, p.dk + b * p.dk_sb + hk * p.dk_sh, p.dk_ss, row0, p.seq_k, 0, lane);
+    }
+}
