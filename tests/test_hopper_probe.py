@@ -94,9 +94,8 @@ def test_ordered_reduce_sums_in_rank_order_to_the_bit():
     torch = _torch()
     function = _module("bfloat16", 64).get_function("csa_probe_ordered_reduce")
     rng = np.random.default_rng(0)
-    parts = rng.standard_normal((8, 64, 64)).astype(np.float32) * np.float32(10.0) ** rng.integers(
-        -3, 4, (8, 1, 1)
-    )
+    scales = 10.0 ** rng.integers(-3, 4, (8, 1, 1))
+    parts = (rng.standard_normal((8, 64, 64)) * scales).astype(np.float32)
     ranks = rng.permutation(8).astype(np.int32)
     want = np.zeros((64, 64), np.float32)
     for c in np.argsort(ranks):
