@@ -62,9 +62,13 @@ TILES = {
     "backward_dq_sm90": {64: [(128, 128, 12), (128, 64, 12)], 128: [(128, 64, 12)]},
     "backward_dkdv_sm90": {128: [(64, 128, 12)]},
     # The fused backward (dK, dV and dQ in one pass, dQ summed in a fixed order): 64 queries a visit, two
-    # consumers of 64 keys. Not yet chosen by any backend.
+    # consumers of 64 keys; and its first and last passes, over query tiles of its size.
     "backward_sm90": {128: [(64, 128, 12)]},
+    "backward_stats": {128: [(64, 64, 4)]},
+    "backward_dq_convert": {128: [(64, 64, 4)]},
 }
+# Passes that read no layout and no score mod: one kernel serves every layout (cuda.py builds them plain).
+PLAIN = ("backward_stats", "backward_dq_convert")
 # Hopper kernels (sm_90a: TMA, wgmma, a producer warpgroup) take head dims of whole 64-element panels.
 HOPPER_HEAD_DIMS = (64, 128)
 # Buffers of each Hopper pass's ring (hopper.cuh's STAGES): the dK/dV pass holds a (Q, dO) slot until the next
@@ -80,6 +84,8 @@ MAX_TILE_N = {"backward_dq": {"score": 64}, "backward_dq_sm90": {"bits": 64, "sc
 def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int:
     """The dynamic shared memory of one pass (each kernel static_asserts the same figure)."""
     tm, tn, _ = tiles
+    if kernel in PLAIN:
+        return 0
     row = 2 * (-(-head_dim // 16) * 16 + 8)  # bytes per padded shared row (SMEM_ROW elements)
     if kernel == "forward":  # Q, two stages of K and V
         return row * (tm + 2 * 2 * tn)
@@ -157,8 +163,7 @@ PARAMS = np.dtype(
         ("q_origin", np.int64), ("k_origin", np.int64),
         ("score_ip", np.int64, (8,)), ("score_fp", np.float32, (8,)), ("score_a", np.uint64, (4,)),
         ("work", np.uint64), ("work_count", np.int32), ("rule_narrow", np.int32),
-        ("dq_accum", np.uint64), ("dq_count", np.uint64), ("col_start", np.uint64), ("rank_ptr", np.uint64),
-        ("ranks", np.uint64),
+        ("col_start", np.uint64), ("rank_ptr", np.uint64), ("ranks", np.uint64),
     ],
     align=True,
 )  # fmt: skip
@@ -206,6 +211,8 @@ class KernelSpec:
             len(self.score) != 2 or not all(isinstance(x, str) for x in self.score)
         ):
             raise ValueError(f"score must be None or (C expression, its derivative), got {self.score!r}")
+        if self.kernel in PLAIN and (self.rule_mode != "none" or self.score is not None):
+            raise ValueError(f"{self.kernel} reads no layout rule or score mod")
         if self.kernel in ARCH and self.head_dim not in HOPPER_HEAD_DIMS:
             raise ValueError(f"{self.kernel} takes head dims {HOPPER_HEAD_DIMS}, got {self.head_dim}")
 
@@ -402,6 +409,9 @@ def all_specs() -> list[KernelSpec | RuleSpec]:
     rules = [("none", None), ("bits", None), ("expr", "k <= q + P0")]
     specs = []
     for kernel, table in TILES.items():
+        if kernel in PLAIN:
+            specs += [KernelSpec.make(kernel, dtype, d) for dtype in DTYPES for d in HOPPER_HEAD_DIMS]
+            continue
         for d in HOPPER_HEAD_DIMS if kernel in ARCH else (32, 64, 96, 128, 256):
             specs += [KernelSpec.make(kernel, "bfloat16", d, mode, expr) for mode, expr in rules]
             specs.append(KernelSpec.make(kernel, "float16", d))

@@ -165,18 +165,30 @@ class DeviceTables:
         # As bytes: a launch starts from a copy of them (copying a NumPy struct costs 30 us).
         self.params = base.tobytes()
         self.layout_lines = (layout.batch, layout.heads)
-        self._work: dict[tuple[int, ...], object] = {}
+        self._work: dict[tuple, dict] = {}
         self.passes: dict[tuple, _Pass] = {}  # `_pass`: the passes over these tables, by call sizes
 
-    def work(self, batch: int, heads: int, ctas: int, group_items: int):
-        """The persistent passes' schedule for `batch` x `heads` on `ctas` CTAs (plan.work_order), on the
-        device."""
+    def work(self, batch: int, heads: int, ctas: int, group_items: int) -> dict:
+        """A persistent pass's schedule for `batch` x `heads` on `ctas` CTAs (plan.work_order), on the
+        device: ``{"work": items}``, as `_Pass` takes it."""
         import cupy
 
-        key = (batch, heads, ctas, group_items)
+        key = ("rows", batch, heads, ctas, group_items)
         if key not in self._work:
             order = plan.work_order(self.plan, *self.layout_lines, batch, heads, ctas, group_items)
-            self._work[key] = cupy.asarray(order)
+            self._work[key] = {"work": cupy.asarray(order)}
+        return self._work[key]
+
+    def columns(self, batch: int, heads: int, group: int, ctas: int, group_items: int) -> dict:
+        """The fused backward's schedule (plan.column_schedule) on the device, by the Params field of each
+        of its arrays."""
+        import cupy
+
+        key = ("columns", batch, heads, group, ctas, group_items)
+        if key not in self._work:
+            s = plan.column_schedule(self.plan, *self.layout_lines, batch, heads, group, ctas, group_items)
+            arrays = {"work": s.table, "col_start": s.start, "rank_ptr": s.rank_ptr, "ranks": s.ranks}
+            self._work[key] = {field: cupy.asarray(a) for field, a in arrays.items()}
         return self._work[key]
 
 
@@ -294,7 +306,7 @@ _STRIDES = {
 _SIZES = _offset("seq_q")  # seq_q, seq_k, heads_q, group: four int32 in a row
 _SCALE = _offset("scale")
 _SCORE = slice(_offset("score_ip"), _offset("score_a") + 4 * 8)
-_WORK, _WORK_COUNT = _offset("work"), _offset("work_count")
+_WORK_COUNT = _offset("work_count")
 MAP_BYTES = tma.TENSOR_MAP.itemsize  # a TMA descriptor, as a kernel argument
 
 
@@ -308,12 +320,14 @@ def _kernel(device: int, *spec_args):
 
 class _Pass:
     """One kernel's launches for one call's sizes: the kernel, its geometry and the parameters that do not
-    change from call to call (tables, sizes, scale, work list) packed ahead. `work`: a persistent pass's
-    device work list. `bind` makes its launches over arrays of given strides."""
+    change from call to call (tables, sizes, scale, schedule) packed ahead. `work`: a persistent pass's
+    schedule on the device, by Params field (`DeviceTables.work`, `DeviceTables.columns`). `bind` makes its
+    launches over arrays of given strides. A `build.PLAIN` kernel is built without the layout's rule."""
 
     def __init__(self, kernel: str, grid, tables: DeviceTables, score, scale: float, tiles, work, q, k):
         self.kernel, self.grid, self.tiles = kernel, grid, tiles
-        spec_args = (kernel, q.dtype, q.shape[3], tiles, tables.plan.rule_mode, tables.rule_expr)
+        rule = ("none", None) if kernel in build.PLAIN else (tables.plan.rule_mode, tables.rule_expr)
+        spec_args = (kernel, q.dtype, q.shape[3], tiles, *rule)
         self.function, self.block, self.shared = _kernel(q.device[1], *spec_args, score and score.spec)
         # The device arrays that the parameters point to live as long as this pass.
         self.arrays = (tables, score, work)
@@ -324,8 +338,9 @@ class _Pass:
         struct.pack_into("<4i", buffer, _SIZES, q.shape[2], k.shape[2], heads_q, heads_q // heads_k)
         struct.pack_into("<f", buffer, _SCALE, scale)
         if work is not None:
-            struct.pack_into("<Q", buffer, _WORK, work.data.ptr)
-            struct.pack_into("<i", buffer, _WORK_COUNT, work.size)
+            for field, array in work.items():
+                struct.pack_into("<Q", buffer, _offset(field), array.data.ptr)
+            struct.pack_into("<i", buffer, _WORK_COUNT, work["work"].size)
         self.params = bytes(buffer)
         self._bound: dict[tuple, _Bound] = {}  # by the arrays' strides (their shapes follow from q's, k's)
 
@@ -495,18 +510,27 @@ _STATS_ROWS = 128
 
 def stats_shape(q_shape) -> tuple[int, int, int, int]:
     """The backward's float32 scratch for queries of this shape: [B, Hq, 2, Sq padded to 128] (per query
-    row lse * log2(e), then rowsum(dout * out); written by the dQ pass for the dK/dV pass)."""
-    batch, heads, seq = q_shape[:3]
-    return batch, heads, 2, -(-seq // _STATS_ROWS) * _STATS_ROWS
+    row lse * log2(e), then rowsum(dout * out); written by the dQ pass for the dK/dV pass). Where the fused
+    backward may run (`fused_backward`), D + 1 rows more: its fp32 dQ sums, then a counter per query tile."""
+    batch, heads, seq, head_dim = q_shape
+    rows = 2 + (head_dim + 1 if fused_backward(head_dim) else 0)
+    return batch, heads, rows, -(-seq // _STATS_ROWS) * _STATS_ROWS
+
+
+def fused_backward(head_dim: int) -> bool:
+    """Whether a Hopper backward of this head dim runs fused (CUSPARSEATTN_FUSED_BACKWARD=1): dK, dV and dQ in
+    one pass, between a statistics pass and a pass that rounds dQ."""
+    return env.fused_backward() and head_dim in build.HOPPER_HEAD_DIMS
 
 
 def backward(
     dout, q, k, v, out, lse, dq, dk, dv, stats, layout: BlockLayout, scale: float, *, score_mod=None
 ):
     """Launches the backward kernels: writes `dq` [B, Hq, Sq, D], `dk` and `dv` [B, Hkv, Sk, D], and `stats`
-    (float32 scratch of `stats_shape(q.shape)`, from the first kernel to the second).
+    (float32 scratch of `stats_shape(q.shape)`, from the first kernel to the later ones).
 
-    Each gradient element is written once by one thread (no atomics): the results are bitwise reproducible.
+    Each gradient element is written once by one thread (no atomics), and the fused backward adds dQ's parts
+    in an order fixed per query tile: the results are bitwise reproducible.
     """
     arrays = dict(dout=dout, out=out, lse=lse, dq=dq, dk=dk, dv=dv, stats=stats)
     Backward(q, k, v, layout, scale, score_mod=score_mod, **arrays).run(
@@ -515,10 +539,11 @@ def backward(
 
 
 class Backward:
-    """The backward's two passes for arrays described as `q`, `k` and `v` and the optional others are (those
-    not given: C-contiguous, shaped as q or k), over a layout, scale and score mod (tables, tiles, grids,
-    packed parameters), made once: `run` launches them on any arrays described the same way. PyTorch's
-    eager calls keep one per call signature, made in the first forward.
+    """The backward's passes (dQ, then dK/dV; or the fused backward's three, `fused_backward`) for arrays
+    described as `q`, `k` and `v` and the optional others are (those not given: C-contiguous, shaped as q
+    or k), over a layout, scale and score mod (tables, tiles, grids, packed parameters), made once: `run`
+    launches them on any arrays described the same way. PyTorch's eager calls keep one per call signature,
+    made in the first forward.
 
     dout may come laid out as the forward's caller left its output's gradient (a transposed view is
     common): the passes are bound to each dout layout as it comes. The Hopper passes read dout through TMA:
@@ -529,33 +554,62 @@ class Backward:
     def __init__(self, q, k, v, layout: BlockLayout, scale: float, *, score_mod=None, **arrays):
         import cupy
 
-        batch, heads_q, _, head_dim = q.shape
+        head_dim = q.shape[3]
         self.shape, self.dtype, self.device = q.shape, q.dtype, q.device[1]
         self.stats_shape = stats_shape(q.shape)
         self.hopper = not hopper_reasons(q, k, v, arrays.get("dout"))
+        fused = self.hopper and fused_backward(head_dim)
         made = {name: _Like(q.shape, q.dtype) for name in ("out", "dout", "dq")}
         made |= {name: _Like(k.shape, k.dtype) for name in ("dk", "dv")}
         made |= {"lse": _Like(q.shape[:3], "float32"), "stats": _Like(self.stats_shape, "float32")}
         self._arrays = _bound_arrays(ARRAYS, dict(arrays, q=q, k=k, v=v), made)
-        suffix = "_sm90" if self.hopper else ""
-        self._passes = []
         # The tables' uploads, on the stream of the first launch that reads them (as the forward's).
         with cupy.cuda.Device(self.device), _stream(q.stream):
             _bind(self.device)
             score = score_tables(score_mod, self.device)
-            for kernel in ("backward_dq" + suffix, "backward_dkdv" + suffix):
-                tables, tiles = _tiled_tables(kernel, layout, head_dim, self.device, score)
-                if kernel.startswith("backward_dq"):
-                    grid = (tables.plan.tiles_q, heads_q, batch)
-                else:
-                    # The dK/dV kernel's SPLITS: halves of the head dim past 128.
-                    splits = 2 if head_dim > 128 else 1
-                    grid = (tables.plan.tiles_k, k.shape[1] * splits, batch)
-                rows = {"q": tiles[0], "k": tiles[1], "v": tiles[1], "dout": tiles[0]} if self.hopper else {}
-                self._passes.append((_pass(kernel, grid, tables, score, scale, tiles, q=q, k=k), rows))
+            passes = self._fused if fused else self._two_passes
+            self._passes = passes(q, k, layout, score, scale)
         # The passes bound to each dout layout, by dout's strides: `_Pass.bind` keeps them too, but its key
         # (every array's strides) costs more to build than a launch on the prepared path may spend.
         self._bound: dict[tuple, tuple[_Bound, ...]] = {}
+
+    def _two_passes(self, q, k, layout: BlockLayout, score, scale: float) -> list:
+        """The dQ pass (which writes the statistics), then the dK/dV pass: (pass, TMA rows) each."""
+        batch, heads_q, _, head_dim = q.shape
+        suffix = "_sm90" if self.hopper else ""
+        passes = []
+        for kernel in ("backward_dq" + suffix, "backward_dkdv" + suffix):
+            tables, tiles = _tiled_tables(kernel, layout, head_dim, self.device, score)
+            if kernel.startswith("backward_dq"):
+                grid = (tables.plan.tiles_q, heads_q, batch)
+            else:
+                # The dK/dV kernel's SPLITS: halves of the head dim past 128.
+                splits = 2 if head_dim > 128 else 1
+                grid = (tables.plan.tiles_k, k.shape[1] * splits, batch)
+            rows = {"q": tiles[0], "k": tiles[1], "v": tiles[1], "dout": tiles[0]} if self.hopper else {}
+            passes.append((_pass(kernel, grid, tables, score, scale, tiles, q=q, k=k), rows))
+        return passes
+
+    def _fused(self, q, k, layout: BlockLayout, score, scale: float) -> list:
+        """The fused backward's passes: the statistics (and zeroed counters), the persistent pass over the
+        key tiles' columns, the rounding of dQ."""
+        batch, heads_q, _, head_dim = q.shape
+        tables, tiles = _tiled_tables("backward_sm90", layout, head_dim, self.device, score)
+        items = batch * k.shape[1] * tables.plan.tiles_k
+        ctas = min(items, sm_count(self.device))
+        # As the forward: two items per SM to a group.
+        columns = tables.columns(batch, heads_q, heads_q // k.shape[1], ctas, 2 * sm_count(self.device))
+        rows = {"q": tiles[0], "k": tiles[1], "v": tiles[1], "dout": tiles[0]}
+
+        def plain(kernel: str, grid) -> tuple:
+            edge_tiles = build.tile_config(kernel, head_dim)
+            return _pass(kernel, grid, tables, None, scale, edge_tiles, q=q, k=k), {}
+
+        return [
+            plain("backward_stats", (self.stats_shape[3] // tiles[0], heads_q, batch)),
+            (_pass("backward_sm90", (ctas, 1, 1), tables, score, scale, tiles, columns, q=q, k=k), rows),
+            plain("backward_dq_convert", (tables.plan.tiles_q, heads_q, batch)),
+        ]
 
     def accepts(self, dout) -> bool:
         """Whether the passes can take this dout holder: shaped and typed like q, on its device, and readable

@@ -4,6 +4,7 @@
 - ``CUSPARSEATTN_DUMP_SOURCE=DIR``: write each generated kernel source to DIR (read it when NVRTC complains).
 - ``CUSPARSEATTN_VERBOSE=1``: log each kernel compile with its time.
 - ``CUSPARSEATTN_HOPPER=0``: run the portable (mma.sync) kernels on Hopper GPUs too, for comparison.
+- ``CUSPARSEATTN_FUSED_BACKWARD=1``: on Hopper GPUs, run the backward as one fused pass (experimental).
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ def lineinfo() -> bool:
 
 def hopper() -> bool:
     return os.environ.get("CUSPARSEATTN_HOPPER", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def fused_backward() -> bool:
+    return _flag("FUSED_BACKWARD")
 
 
 def verbose() -> bool:

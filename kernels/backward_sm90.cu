@@ -1,5 +1,5 @@
 // Block-sparse flash attention, the whole backward for Hopper (sm_90a) in one pass: dK, dV and dQ, after the
-// row statistics (lse * log2(e) and delta = rowsum(dO * O)) are in the scratch.
+// row statistics (lse * log2(e) and delta = rowsum(dO * O)) are in the scratch (backward_stats.cu).
 //
 // Persistent: a CTA walks its items of the schedule (plan.column_schedule; entries blockIdx.x,
 // blockIdx.x + gridDim.x, ... up to a -1): every (batch element, key/value head, key tile), visiting the
@@ -10,9 +10,9 @@
 //   dV += P^T dO and dK += dS^T Q (as backward_dkdv_sm90.cu does), and dS^T stored transposed as its half of
 //   a shared dS tile. Then the visit's share of dQ, dS K over the tile's keys: each consumer takes half the
 //   head dim (128), or the consumers take the visits in turn (64). The share goes to a shared fp32 buffer.
-// - A thread of warp 1 adds those shares into an fp32 dQ accumulator in global memory by bulk TMA reductions,
+// - A thread of warp 1 adds those shares into the query tile's fp32 sum in the scratch by bulk TMA reductions,
 //   in the order the schedule ranks the adds into each query tile (ordered_reduce: one CTA at a time, so the
-//   same bits every run); a last small pass scales dQ and rounds it to the element type.
+//   same bits every run). backward_dq_convert.cu then scales the sums and rounds them to the element type.
 // dK and dV are written once per item. Five products per visit, against seven for the dQ and dK/dV passes.
 #include "hopper.cuh"
 
@@ -31,12 +31,17 @@ constexpr int DQ_N = 64;
 // What the adding thread needs of a visit, which the loading thread works out as it issues the visit's copies,
 // so that the adding thread keeps no walk of its own. line < 0: no more visits.
 struct DqAdd {
-    int line;  // (b * heads_q + h) * tiles_q + query tile: the accumulator's tile and its counter
+    int line;  // (b * heads_q + h) * tiles_q + query tile: where its sum and counter are (dq_sum)
     int rank;
 };
 // The loading thread runs at most STAGES visits ahead of the consumers, which run at most two ahead of the
 // adding thread: a ring of 8 is never overwritten while read.
 constexpr int ADDS = 8;
+// setmaxnreg moves registers within the CTA's allocation, 168 a thread (65536 / 384 down to a multiple of 8):
+// claims past it wait forever. The loading thread walks the schedule and works out the adds, which spill
+// at 24 registers; the consumers fit 232.
+constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= 3 * 168, "the register file holds the claims");
 
 struct alignas(1024) Shared {
     elem_t k[TILE_N * HEAD_DIM];
@@ -116,9 +121,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     __syncthreads();
 
     if (warpgroup == 0) {
-        // The loading thread walks the schedule and works out the adds: 32 registers (24 spill), which with
-        // the consumers' 240 fill the register file.
-        release_registers<32>();
+        release_registers<PRODUCER_REGS>();
         if (threadIdx.x == 0) {
             int n = 0;  // visits so far: uses of the ring
             for (int w = blockIdx.x, items = 0;; w += gridDim.x, ++items) {
@@ -149,14 +152,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 const DqAdd add = sh.adds[n % ADDS];
                 if (add.line < 0) break;
                 sh.part_full[n % 2].wait((n / 2) & 1);
-                ordered_reduce(p.dq_accum + (long long)add.line * TILE_M * HEAD_DIM, sh.dq_part[n % 2],
-                               sizeof(sh.dq_part[0]), p.dq_count + add.line, add.rank);
+                const int tile_q = add.line % p.tiles_q, b = add.line / p.tiles_q / p.heads_q;
+                const int h = add.line / p.tiles_q % p.heads_q;
+                ordered_reduce(dq_sum(p, b, h, tile_q), sh.dq_part[n % 2], sizeof(sh.dq_part[0]),
+                               dq_counters(p, b, h) + tile_q, add.rank);
                 sh.part_empty[n % 2].arrive();
             }
         }
         return;
     }
-    claim_registers<240>();
+    claim_registers<CONSUMER_REGS>();
 
     const int consumer = warpgroup - 1;
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31, t = lane & 3, g = lane >> 2;

@@ -54,8 +54,9 @@ struct Params {
     elem_t* dq;
     elem_t* dk;
     elem_t* dv;
-    float* stats;        // [B, Hq, 2, padded Sq]: per query row lse * log2(e) and delta = rowsum(dout * out),
-                         // written by the dQ pass, read by the dK/dV pass (STAT_LSE2, STAT_DELTA)
+    float* stats;        // [B, Hq, 2 (+ HEAD_DIM + 1), padded Sq]: per query row lse * log2(e) and delta =
+                         // rowsum(dout * out) (STAT_LSE2, STAT_DELTA), written by the dQ pass (or the
+                         // statistics pass), read by the dK/dV pass; the fused backward's dQ sums after them
     long long q_sb, q_sh, q_ss;
     long long k_sb, k_sh, k_ss;
     long long v_sb, v_sh, v_ss;
@@ -87,8 +88,6 @@ struct Params {
     const int* work;                            // persistent passes: (batch, head, tile) items, heaviest first
     int work_count;
     int rule_narrow;                            // RULE_EXPR: evaluate the rule in int (cuda.py: rule_narrow)
-    float* dq_accum;                            // fused backward: fp32 [B, Hq, tiles_q * TILE_M, HEAD_DIM]
-    int* dq_count;                              // fused backward: [B * Hq * tiles_q] adds done, zeroed before
     const int* col_start;                       // fused backward (plan.column_schedule): per call column
     const long long* rank_ptr;                  // its first rank
     const int* ranks;                           // each visit's rank among its query tile's adds
@@ -671,9 +670,18 @@ struct TileMask {
 };
 
 // ---- the backward ------------------------------------------------------------------------------------------
-enum Stat { STAT_LSE2 = 0, STAT_DELTA = 1 };
+enum Stat { STAT_LSE2 = 0, STAT_DELTA = 1, STAT_DQ = 2 };
 __device__ __forceinline__ float* stat_row(const Params& p, int b, int h, Stat stat) {
     return p.stats + b * p.stats_sb + h * p.stats_sh + stat * p.stats_sr;
+}
+// The fused backward's scratch past the statistics: HEAD_DIM rows that hold the fp32 dQ sums as
+// [query tile][TILE_M][HEAD_DIM] (the padded length holds whole tiles), then a row of int counters, one per
+// query tile: the adds done so far (zeroed by the statistics pass).
+__device__ __forceinline__ float* dq_sum(const Params& p, int b, int h, int tile_q) {
+    return stat_row(p, b, h, STAT_DQ) + (long long)tile_q * TILE_M * HEAD_DIM;
+}
+__device__ __forceinline__ int* dq_counters(const Params& p, int b, int h) {
+    return reinterpret_cast<int*>(stat_row(p, b, h, STAT_DQ) + (long long)HEAD_DIM * p.stats_sr);
 }
 
 // The dQ pass's statistics of the warp's 16 rows from row0, returned for rows g and g + 8 (the rows of the

@@ -10,7 +10,7 @@ import pytest
 
 from cusparseattn import build
 
-PORTABLE = [kernel for kernel in build.KERNELS if kernel not in build.ARCH]
+PORTABLE = [kernel for kernel in build.KERNELS if kernel not in build.ARCH and kernel not in build.PLAIN]
 
 
 def test_spec_name_lists_every_specialisation_argument():
@@ -119,6 +119,19 @@ def test_every_specialisation_compiles_for_sm80_and_sm90_without_spills(capsys):
     assert report.count("\nok") + report.startswith("ok") >= expected
     for kernel in build.ARCH:
         assert f"ok   sm_90a {kernel}_bf16_d128" in report
+
+
+@pytest.mark.parametrize("kernel", build.PLAIN)
+def test_plain_passes_take_the_fused_query_tiles_and_no_layout(kernel):
+    """The fused backward's first and last passes address its dQ sums and counters by its query tiles."""
+    for head_dim in build.HOPPER_HEAD_DIMS:
+        tm, _, nw = build.tile_config(kernel, head_dim)
+        assert tm == build.tile_config("backward_sm90", head_dim)[0] == 16 * nw
+        assert build.KernelSpec.make(kernel, "float16", head_dim).shared_bytes == 0
+    with pytest.raises(ValueError, match="no layout rule or score mod"):
+        build.KernelSpec.make(kernel, "bfloat16", 128, "bits")
+    with pytest.raises(ValueError, match="no layout rule or score mod"):
+        build.KernelSpec.make(kernel, "bfloat16", 128, score=build.SAMPLE_SCORE)
 
 
 HOPPER = sorted(build.ARCH)

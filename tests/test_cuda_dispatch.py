@@ -61,6 +61,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(cuda, "max_shared", lambda device: 227 * 1024)
     monkeypatch.setattr(cuda, "sm_count", lambda device: 132)
     monkeypatch.delenv("CUSPARSEATTN_HOPPER", raising=False)
+    monkeypatch.delenv("CUSPARSEATTN_FUSED_BACKWARD", raising=False)
     geometry, record = {}, []  # a stand-in descriptor's bytes -> the geometry it was encoded for
 
     def encode(data_ptr, shape, strides, dtype, rows):
@@ -224,7 +225,7 @@ def test_hopper_gpus_run_the_hopper_forward_with_three_tma_maps(launches, monkey
     # Persistent: 300 rows in tiles of 128, 4 heads, 2 batch elements are 24 items, one CTA per SM at most.
     assert grid == (min(24, sms), 1, 1) and nargs == 4  # the parameters, then q, k, v maps
     (tables,) = cuda._tables[id(layout)].values()
-    work = tables.work(2, 4, min(24, sms), 2 * sms)  # the schedule plan.work_order deals (test_plan)
+    work = tables.work(2, 4, min(24, sms), 2 * sms)["work"]  # the schedule plan.work_order deals (test_plan)
     assert args[0]["work"] == work.data.ptr and args[0]["work_count"] == work.size
     assert sorted(work.host[work.host >= 0]) == list(range(24)) and work.size % grid[0] == 0
     if sms == 132:  # one item per CTA, in the order dealt: the last query tile of each line first
@@ -279,6 +280,35 @@ def test_hopper_backward_passes_take_query_and_key_tiles_of_their_own(launches, 
     bits = BlockLayout(layout.blocks, block_size=64, seq_q=seq, partial=layout.partial, rule=rule)
     cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, bits, 0.1)
     assert "_bits" in launches[0][0] and [m[2][1] for m in launches[0][-1]] == [128, 64, 64, 128]
+
+
+@pytest.mark.parametrize("head_dim", build.HOPPER_HEAD_DIMS)
+def test_the_fused_backward_launches_three_passes_over_a_larger_scratch(launches, monkeypatch, head_dim):
+    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90)
+    monkeypatch.setattr(cuda, "sm_count", lambda device: 5)
+    seq = 300
+    assert cuda.stats_shape((2, 4, seq, head_dim)) == (2, 4, 2, 384)
+    monkeypatch.setenv("CUSPARSEATTN_FUSED_BACKWARD", "1")
+    # The statistics, then the dQ sums (D rows of the padded length: whole tiles) and a row of counters.
+    assert cuda.stats_shape((2, 4, seq, head_dim)) == (2, 4, 2 + head_dim + 1, 384)
+    held = _arrays(seq, head_dim, 0x1000000)
+    layout = patterns.causal(block=64).layout(seq)
+    names = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "stats")
+    cuda.backward(*(held[n] for n in names), layout, 0.1)
+    (stats_name, stats_grid, _, _, _, stats_maps), fused, (dq_name, dq_grid, _, _, _, dq_maps) = launches
+    # The first and last pass read no rule (one kernel for every layout) and no TMA copies.
+    assert stats_name.startswith(f"backward_stats_bf16_d{head_dim}_q64k64w4_none") and stats_maps == []
+    assert dq_name.startswith(f"backward_dq_convert_bf16_d{head_dim}_q64k64w4_none") and dq_maps == []
+    assert stats_grid == (384 // 64, 4, 2) and dq_grid == (5, 4, 2)  # 300 rows: 5 query tiles of 64
+    name, grid, (threads, _, _), args, shared, maps = fused
+    assert name.startswith(f"backward_sm90_bf16_d{head_dim}_q64k128w12") and threads == 384
+    assert grid == (5, 1, 1) and shared == build.shared_bytes("backward_sm90", head_dim, (64, 128, 12))
+    assert [m[2][1] for m in maps] == [64, 128, 128, 64]  # q, k, v, dout
+    (tables,) = (t for key, t in cuda._tables[id(layout)].items() if key[:2] == (64, 128))
+    columns = tables.columns(2, 4, 2, 5, 2 * 5)  # 2 x 2 kv heads x 3 key tiles: 12 items on 5 CTAs
+    for field in ("work", "col_start", "rank_ptr", "ranks"):
+        assert args[0][field] == columns[field].data.ptr, field
+    assert args[0]["work_count"] == columns["work"].size
 
 
 def _arrays(seq: int, dim: int, base: int) -> dict:

@@ -152,3 +152,27 @@ def test_both_kernels_of_a_hopper_gpu(hopper, kind, head_dim, dtype, monkeypatch
     assert_backward_matches(q, k, v, layout_for(kind, rng, 2, 4, 300, 333, 64), dtype, rng)
     suffix = "_sm90" if hopper else ""
     assert launched == [f"forward{suffix}", f"backward_dq{suffix}", f"backward_dkdv{suffix}"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kind", ["dense", "causal", "random", "random_rule"])
+def test_fused_backward(kind, head_dim, dtype, monkeypatch):
+    """CUSPARSEATTN_FUSED_BACKWARD=1 on an H100/H200: the statistics pass, the fused pass (on three CTAs, so
+    that each walks many items and their adds into a query tile wait on each other) and dQ's rounding, as
+    test_both_kernels_of_a_hopper_gpu checks the two passes; and the same bits from a second run."""
+    from cusparseattn import cuda
+
+    launched = hopper_path(monkeypatch, True)
+    monkeypatch.setenv("CUSPARSEATTN_FUSED_BACKWARD", "1")
+    monkeypatch.setattr(cuda, "sm_count", lambda device: 3)
+    rng = np.random.default_rng(13)
+    q, k, v = random_qkv(rng, 2, 4, 2, 300, 333, head_dim, np_dtype(dtype), "bshd")
+    layout = layout_for(kind, rng, 2, 4, 300, 333, 64)
+    assert_backward_matches(q, k, v, layout, dtype, rng)
+    assert launched == ["forward_sm90", "backward_stats", "backward_sm90", "backward_dq_convert"]
+    dout = rng.standard_normal(q.shape).astype(q.dtype)
+    out, lse = run_forward(q, k, v, layout)
+    first, second = (run_backward(dout, q, k, v, out, lse, layout) for _ in range(2))
+    for a, b in zip(first[:3], second[:3], strict=True):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8))
