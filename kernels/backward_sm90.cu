@@ -193,18 +193,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             wgmma_wait<0>();
             fence_operands(st);
             fence_operands(dpt);
-            apply_score_mod<true, TILE_M>(
-                p, st, dpt, [&](int c, int jj) { return delta[c * 8 + 2 * t + (jj & 1)]; }, b, h,
-                TilePos<true>(p, q0, k_tile0, keys + warp * 16, lane));
-            if (e.y >= 0) apply_mask<TILE_M>(st, keep);
-#pragma unroll
-            for (int c = 0; c < TILE_M / 8; ++c)
-#pragma unroll
-                for (int jj = 0; jj < 4; ++jj) {
-                    const int col = c * 8 + 2 * t + (jj & 1);
-                    st[c][jj] = exp2f(fmaf(st[c][jj], scale_log2, -lse2[col]));  // P^T
-                    dpt[c][jj] = dscore(st[c][jj], dpt[c][jj], delta[col]);    // dS^T
-                }
+            transposed_scores_to_ds<TILE_M>(p, st, dpt, lse2, delta, e.y >= 0, keep, scale_log2, b, h,
+                                            TilePos<true>(p, q0, k_tile0, keys + warp * 16, lane), t);
             to_a_fragments<TILE_M>(st, p_frag);
             to_a_fragments<TILE_M>(dpt, ds_frag);
             // dS^T's 64 keys become this consumer's panel of dS; both halves are in before either reads them.

@@ -734,4 +734,26 @@ __device__ __forceinline__ void scores_to_ds(float (&s)[COLS / 8][4], const floa
         }
 }
 
+// The dK/dV passes' P^T and dS^T in place of S^T and dP^T (a warp's 16 keys by COLS queries, whose lse2 and
+// delta lie in shared memory), once those have landed: the score mod, the partial tile's mask (keep: its
+// mask_bits, worked out while the products ran), then P^T = exp2(S^T * scale_log2 - lse2) and dS^T. t: the
+// thread's place in its quad (lane & 3).
+template <int COLS>
+__device__ __forceinline__ void transposed_scores_to_ds(const Params& p, float (&st)[COLS / 8][4],
+                                                        float (&dpt)[COLS / 8][4], const float* lse2,
+                                                        const float* delta, bool partial, unsigned long long keep,
+                                                        float scale_log2, int b, int h, const TilePos<true>& pos,
+                                                        int t) {
+    apply_score_mod<true, COLS>(p, st, dpt, [&](int c, int jj) { return delta[c * 8 + 2 * t + (jj & 1)]; }, b, h, pos);
+    if (partial) apply_mask<COLS>(st, keep);
+#pragma unroll
+    for (int c = 0; c < COLS / 8; ++c)
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) {
+            const int col = c * 8 + 2 * t + (jj & 1);
+            st[c][jj] = exp2f(fmaf(st[c][jj], scale_log2, -lse2[col]));  // P^T
+            dpt[c][jj] = dscore(st[c][jj], dpt[c][jj], delta[col]);    // dS^T
+        }
+}
+
 }  // namespace csa
