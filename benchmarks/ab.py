@@ -3,12 +3,14 @@
     git archive main cusparseattn kernels | tar -x -C /tmp/old      # the version to compare against
     python benchmarks/ab.py /tmp/old --cases causal,local1024 --seqs 4096 --no-backward
     python benchmarks/ab.py /tmp/old /tmp/new --rounds 3 --peers cusparseattn,flex
+    python benchmarks/ab.py . . --new-env CUSPARSEATTN_FUSED_BACKWARD=1 --seqs 16384   # one tree, a switch
 
 Each tree holds ``cusparseattn/`` and ``kernels/``; the second defaults to this checkout. A round runs this
 checkout's bench.py once per tree (``--only cases``, the tree first on PYTHONPATH), the order flipping from
 round to round so that a drift of the GPU's clocks weighs on both. bench.py's options pass through (``--peers
 cusparseattn`` by default: a peer timed beside them shows that drift). Prints each figure of every round and
-new / old of their medians; writes each run's bench.json under ``--out``.
+new / old of their medians; writes each run's bench.json under ``--out``. ``--old-env`` and ``--new-env``
+(``NAME=VALUE``, repeatable) set environment variables for one side's runs only: a switch against itself.
 """
 
 from __future__ import annotations
@@ -30,6 +32,13 @@ def _tree(text: str) -> Path:
     if not (path / "cusparseattn" / "__init__.py").is_file() or not (path / "kernels").is_dir():
         raise argparse.ArgumentTypeError(f"a tree must hold cusparseattn/ and kernels/, got {text!r}")
     return path
+
+
+def _setting(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name or any(c.isspace() for c in name):
+        raise argparse.ArgumentTypeError(f"an environment setting is NAME=VALUE, got {text!r}")
+    return name, value
 
 
 def figures(runs: list[dict]) -> dict:
@@ -65,6 +74,15 @@ def main(argv=None) -> int:
     parser.add_argument("old", type=_tree)
     parser.add_argument("new", type=_tree, nargs="?", default=Path(__file__).resolve().parents[1])
     parser.add_argument("--rounds", type=int, default=2)
+    for which in ("old", "new"):
+        parser.add_argument(
+            f"--{which}-env",
+            type=_setting,
+            action="append",
+            default=[],
+            metavar="NAME=VALUE",
+            help=f"an environment variable for the {which} side's runs only (repeatable)",
+        )
     parser.add_argument(
         "--out", type=Path, help="where each run's bench.json goes (default: a temporary folder)"
     )
@@ -82,7 +100,8 @@ def main(argv=None) -> int:
             for which in ("old", "new") if r % 2 == 0 else ("new", "old"):
                 tree = getattr(args, which)
                 path = [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]
-                env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+                settings = dict(getattr(args, f"{which}_env"))
+                env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), **settings}
                 where = out / f"{which}{r}"
                 print(f"== round {r}: {which} ({tree})", flush=True)
                 cmd = [sys.executable, str(BENCH), "--only", "cases", "--out", str(where), *passed]

@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -127,10 +128,33 @@ def test_ab_compares_medians_of_alternating_runs(tmp_path, capsys):
     assert len(lines) == 2 and lines[0].split()[:5] == ["fwd", "causal", "S=", "4096", "D="]
     ours = next(line for line in lines if "cusparseattn" in line)
     assert "old  100.0  110.0   90.0 | new  120.0   99.0" in ours and ours.endswith(f"x{109.5 / 100:.3f}")
-    for argv in (["--help"], [str(tmp_path)], [str(ROOT), "--only", "cases"], [str(ROOT), "--rounds", "0"]):
+    bad = (["--help"], [str(tmp_path)], [str(ROOT), "--only", "cases"], [str(ROOT), "--rounds", "0"])
+    for argv in (*bad, [str(ROOT), "--new-env", "CUSPARSEATTN_FUSED_BACKWARD"]):
         with pytest.raises(SystemExit):
             ab.main(argv)
-    assert "a tree must hold cusparseattn/ and kernels/" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "a tree must hold cusparseattn/ and kernels/" in err
+    assert "an environment setting is NAME=VALUE, got 'CUSPARSEATTN_FUSED_BACKWARD'" in err
+
+
+def test_ab_sets_each_sides_environment(monkeypatch, tmp_path, capsys):
+    """--old-env and --new-env reach only their side's bench.py runs, which alternate in order."""
+    ab = _load(ROOT / "benchmarks" / "ab.py")
+    seen = []
+
+    def fake_run(cmd, env, cwd):
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True)
+        row = {"case": "dense", "S": 4096, "D": 128, "fwd": {"cusparseattn": 1.0}, "fwdbwd": {}}
+        (out / "bench.json").write_text(json.dumps({"cases": [row]}))
+        seen.append((out.name, env.get("CUSPARSEATTN_FUSED_BACKWARD"), env.get("X")))
+        return types.SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(ab.subprocess, "run", fake_run)
+    argv = [str(ROOT), str(ROOT), "--new-env", "CUSPARSEATTN_FUSED_BACKWARD=1", "--new-env", "X=a=b"]
+    assert ab.main([*argv, "--old-env", "X=", "--out", str(tmp_path)]) == 0
+    assert seen == [("old0", None, ""), ("new0", "1", "a=b"), ("new1", "1", "a=b"), ("old1", None, "")]
+    assert "x1.000" in capsys.readouterr().out
 
 
 def test_host_time_wraps_every_stage_and_puts_it_back():
