@@ -138,7 +138,7 @@ def _gpu_lines() -> list[str]:
         return [f"GPU: none usable ({'; '.join(reasons)})"]
     import cupy
 
-    from . import build, cuda
+    from . import build, cuda, env
 
     runtime = cupy.cuda.runtime
     lines = [
@@ -153,10 +153,13 @@ def _gpu_lines() -> list[str]:
             f"{props['totalGlobalMem'] / 2**30:.1f} GiB, {props['multiProcessorCount']} SMs"
         )
         hopper = cuda.hopper_device_reasons(i)
+        if hopper:
+            lines.append(f"  kernels: portable (mma.sync); not Hopper: {'; '.join(hopper)}")
+            continue
+        backward = "fused (CUSPARSEATTN_FUSED_BACKWARD=1)" if env.fused_backward() else "dQ and dK/dV passes"
         lines.append(
-            f"  kernels: Hopper (TMA, wgmma) for head dims {build.HOPPER_HEAD_DIMS}, else portable"
-            if not hopper
-            else f"  kernels: portable (mma.sync); not Hopper: {'; '.join(hopper)}"
+            f"  kernels: Hopper (TMA, wgmma) for head dims {build.HOPPER_HEAD_DIMS}, else portable; "
+            f"backward: {backward}"
         )
     return lines
 

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,43 @@ def test_demo_refuses_bad_arguments(capsys):
         main(["demo", "--seq-len", "0"])
     assert exc.value.code == 2
     assert "--seq-len must be a positive integer, got 0" in capsys.readouterr().err
+
+
+def _device(name, major: int, gib: int, sms: int) -> dict:
+    return {
+        "name": name,
+        "major": major,
+        "minor": 0,
+        "totalGlobalMem": gib * 2**30,
+        "multiProcessorCount": sms,
+    }
+
+
+@pytest.mark.parametrize("fused", [None, "1"])
+def test_info_says_which_kernels_each_gpu_runs(monkeypatch, fused):
+    """On stand-ins for CuPy and two GPUs: the Hopper one's kernels and backward, the other's reason."""
+    from cusparseattn import __main__ as cli_module
+
+    props = [_device(b"NVIDIA H100", 9, 80, 132), _device("NVIDIA A100", 8, 40, 108)]
+    runtime = types.SimpleNamespace(
+        driverGetVersion=lambda: 13000,
+        runtimeGetVersion=lambda: 13000,
+        getDeviceCount=lambda: 2,
+        getDeviceProperties=lambda i: props[i],
+    )
+    nvrtc = types.SimpleNamespace(getVersion=lambda: (13, 0))
+    monkeypatch.setitem(
+        sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime, nvrtc=nvrtc))
+    )
+    monkeypatch.setattr(cuda, "available", lambda: [])
+    monkeypatch.setattr(cuda, "compute_capability", lambda device: [90, 80][device])
+    monkeypatch.delenv("CUSPARSEATTN_HOPPER", raising=False)
+    monkeypatch.delenv("CUSPARSEATTN_FUSED_BACKWARD", raising=False)
+    if fused:
+        monkeypatch.setenv("CUSPARSEATTN_FUSED_BACKWARD", fused)
+    lines = cli_module._gpu_lines()
+    assert lines[1] == "GPU 0: NVIDIA H100, compute capability 9.0, 80.0 GiB, 132 SMs"
+    backward = "fused (CUSPARSEATTN_FUSED_BACKWARD=1)" if fused else "dQ and dK/dV passes"
+    hopper = "  kernels: Hopper (TMA, wgmma) for head dims (64, 128), else portable"
+    assert lines[2] == f"{hopper}; backward: {backward}"
+    assert lines[4].startswith("  kernels: portable (mma.sync); not Hopper: the Hopper kernels need")
