@@ -557,6 +557,14 @@ class Backward:
         head_dim = q.shape[3]
         self.shape, self.dtype, self.device = q.shape, q.dtype, q.device[1]
         self.stats_shape = stats_shape(q.shape)
+        stats = arrays.get("stats")
+        if stats is not None and tuple(stats.shape) != self.stats_shape:
+            # The fused backward writes past the statistics: a scratch made before the switch is short.
+            raise ValueError(
+                f"stats must have the shape stats_shape(q.shape) = {self.stats_shape}, got "
+                f"{tuple(stats.shape)} (CUSPARSEATTN_FUSED_BACKWARD adds rows: set it before making the "
+                "scratch)"
+            )
         self.hopper = not hopper_reasons(q, k, v, arrays.get("dout"))
         fused = self.hopper and fused_backward(head_dim)
         made = {name: _Like(q.shape, q.dtype) for name in ("out", "dout", "dq")}

@@ -309,6 +309,12 @@ def test_the_fused_backward_launches_three_passes_over_a_larger_scratch(launches
     for field in ("work", "col_start", "rank_ptr", "ranks"):
         assert args[0][field] == columns[field].data.ptr, field
     assert args[0]["work_count"] == columns["work"].size
+    # A scratch made before the switch was set is too short for the fused pass: refused before any launch.
+    launches.clear()
+    short = Holder((2, 4, 2, 384), dtype="float32")
+    with pytest.raises(ValueError, match=r"stats must have the shape stats_shape\(q.shape\) = \(2, 4, "):
+        cuda.backward(*(held[n] for n in names[:-1]), short, layout, 0.1)
+    assert launches == []
 
 
 def _arrays(seq: int, dim: int, base: int) -> dict:
