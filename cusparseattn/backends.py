@@ -223,7 +223,7 @@ class _CudaBackward(PreparedBackward):
     def run(self, inputs):
         launch, q, k = self._launch, inputs.q, inputs.k
         dq, dk, dv = q.empty(q.shape, q.dtype), k.empty(k.shape, k.dtype), k.empty(k.shape, k.dtype)
-        stats = q.empty(launch.stats_shape, "float32")  # the dq pass's scratch for the dk/dv pass
+        stats = q.empty(launch.stats_shape, "float32")  # the passes' scratch (cuda.stats_shape)
         launch.run(inputs.dout, q, k, inputs.v, inputs.out, inputs.lse, dq, dk, dv, stats)
         dq.name, dk.name, dv.name = "dq", "dk", "dv"
         return dq, dk, dv

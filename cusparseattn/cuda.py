@@ -418,6 +418,16 @@ def _tiled_tables(kernel: str, layout: BlockLayout, head_dim: int, device: int, 
     return device_tables(layout, tiles[0], tiles[1], device), tiles
 
 
+# The arrays a Hopper backward pass copies by TMA, in the order of its descriptor arguments.
+_BACKWARD_MAPS = ("q", "k", "v", "dout")
+
+
+def _tma_rows(tiles, names) -> dict:
+    """A Hopper pass's TMA descriptors, in argument order: each array's rows a copy, a query tile of q and
+    dout, a key tile of k and v."""
+    return {name: tiles[0] if name in ("q", "dout") else tiles[1] for name in names}
+
+
 class _Like:
     """What binding a pass reads of an array (shape, strides, dtype), without the array: a stand-in for one
     not made yet (an output, the backward's dout; C-contiguous unless `strides` are given), or the
@@ -487,7 +497,7 @@ class Forward:
                 # Two items per SM to a group: the rows in flight at once come from a few heads.
                 work = tables.work(batch, heads_q, ctas, 2 * sm_count(device))
                 grid = (ctas, 1, 1)
-                rows = {"q": tiles[0], "k": tiles[1], "v": tiles[1]}
+                rows = _tma_rows(tiles, ("q", "k", "v"))
             else:
                 grid = (tables.plan.tiles_q, heads_q, batch)
             made = {"out": _Like(q.shape, q.dtype), "lse": _Like(q.shape[:3], "float32")}
@@ -594,7 +604,7 @@ class Backward:
                 # The dK/dV kernel's SPLITS: halves of the head dim past 128.
                 splits = 2 if head_dim > 128 else 1
                 grid = (tables.plan.tiles_k, k.shape[1] * splits, batch)
-            rows = {"q": tiles[0], "k": tiles[1], "v": tiles[1], "dout": tiles[0]} if self.hopper else {}
+            rows = _tma_rows(tiles, _BACKWARD_MAPS) if self.hopper else {}
             passes.append((_pass(kernel, grid, tables, score, scale, tiles, q=q, k=k), rows))
         return passes
 
@@ -607,7 +617,7 @@ class Backward:
         ctas = min(items, sm_count(self.device))
         # As the forward: two items per SM to a group.
         columns = tables.columns(batch, heads_q, heads_q // k.shape[1], ctas, 2 * sm_count(self.device))
-        rows = {"q": tiles[0], "k": tiles[1], "v": tiles[1], "dout": tiles[0]}
+        rows = _tma_rows(tiles, _BACKWARD_MAPS)
 
         def plain(kernel: str, grid) -> tuple:
             edge_tiles = build.tile_config(kernel, head_dim)

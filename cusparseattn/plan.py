@@ -147,13 +147,12 @@ def column_schedule(
     source = ((b % layout_batch) * layout_heads + h % layout_heads) * tiles_k + k
     col_counts = counts[source]
     heads_kv = heads // group
-    items = col_counts.reshape(batch, heads_kv, group, tiles_k).sum(axis=2).reshape(-1)
+    per_head = col_counts.reshape(batch, heads_kv, group, tiles_k)
+    items = per_head.sum(axis=2).reshape(-1)
     table, item_start = _deal(items, tiles_k, group_items, ctas)
     # When the deal expects each visit: its item's start, past the group's earlier heads' visits.
     item = (b * heads_kv + h // group) * tiles_k + k
-    earlier = np.cumsum(col_counts.reshape(batch, heads_kv, group, tiles_k), axis=2) - col_counts.reshape(
-        batch, heads_kv, group, tiles_k
-    )
+    earlier = np.cumsum(per_head, axis=2) - per_head
     column_start = item_start[item] + earlier.reshape(-1)
     deal_rank = np.empty(items.size, np.int64)
     deal_rank[np.argsort(item_start, kind="stable")] = np.arange(items.size)
