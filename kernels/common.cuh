@@ -447,16 +447,6 @@ __device__ __forceinline__ bool rule_at(const Params& p, int b, int h, int q, in
     return CSA_RULE(static_cast<RuleInt>(b), static_cast<RuleInt>(h), static_cast<RuleInt>(q),
                     static_cast<RuleInt>(k));
 }
-
-// f(rule), rule(q, k) being rule_at of (b, h) in the narrowest RuleInt the host allows: the one choice for every
-// caller that evaluates the rule element by element.
-template <class F>
-__device__ __forceinline__ decltype(auto) with_rule(const Params& p, int b, int h, F&& f) {
-#if RULE_NARROWABLE
-    if (p.rule_narrow) return f([&](int q, int k) { return rule_at<int>(p, b, h, q, k); });
-#endif
-    return f([&](int q, int k) { return rule_at<long long>(p, b, h, q, k); });
-}
 #endif
 
 // Whether query q0 + qi sees key k0 + ki, for tile-local (qi, ki) of the partial tile `pidx` whose sub-block
@@ -546,10 +536,15 @@ __device__ __forceinline__ unsigned long long mask_bits(const Params& p, int pid
     if (pidx < 0) return 0;
     const ulonglong2 sub = sub_bits_of(p, pidx);
 #if RULE_MODE == RULE_EXPR
-    if (rule_decides(p, sub, k0))
-        return with_rule(p, b, h, [&](auto rule) {
-            return gather_bits<TRANSPOSED, COLS>(row0, lane, [&](int qi, int ki) { return rule(q0 + qi, k0 + ki); });
-        });
+    if (rule_decides(p, sub, k0)) {
+#if RULE_NARROWABLE
+        if (p.rule_narrow)
+            return gather_bits<TRANSPOSED, COLS>(
+                row0, lane, [&](int qi, int ki) { return rule_at<int>(p, b, h, q0 + qi, k0 + ki); });
+#endif
+        return gather_bits<TRANSPOSED, COLS>(
+            row0, lane, [&](int qi, int ki) { return rule_at<long long>(p, b, h, q0 + qi, k0 + ki); });
+    }
 #endif
     return block_bits<TRANSPOSED, COLS>(p, pidx, sub, b, h, q0, k0, row0, lane);
 }
@@ -656,10 +651,16 @@ struct TileMask {
         if (pidx < 0) return;
 #if RULE_MODE == RULE_EXPR
         if (by_rule) {
-            with_rule(p, b, h, [&](auto rule) {
+#if RULE_NARROWABLE
+            if (p.rule_narrow) {
                 for_each_element<COLS>(row0, lane, [&](int n, int j, int row, int col) {
-                    if (!rule(q0 + row, k0 + col)) s[n][j] = -INFINITY;
+                    if (!rule_at<int>(p, b, h, q0 + row, k0 + col)) s[n][j] = -INFINITY;
                 });
+                return;
+            }
+#endif
+            for_each_element<COLS>(row0, lane, [&](int n, int j, int row, int col) {
+                if (!rule_at<long long>(p, b, h, q0 + row, k0 + col)) s[n][j] = -INFINITY;
             });
             return;
         }
