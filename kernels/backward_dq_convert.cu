@@ -19,8 +19,9 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32)
         const int row = i / CHUNKS, col = i % CHUNKS * 8;
         float x[8] = {};
         if (visited) {
-            const float4 lo = *reinterpret_cast<const float4*>(sum + row * HEAD_DIM + col);
-            const float4 hi = *reinterpret_cast<const float4*>(sum + row * HEAD_DIM + col + 4);
+            const float* chunk = sum + (col / 8 * TILE_M + row) * 8;  // as dq_sum lays it out
+            const float4 lo = *reinterpret_cast<const float4*>(chunk);
+            const float4 hi = *reinterpret_cast<const float4*>(chunk + 4);
             x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
         }
         uint4 out;

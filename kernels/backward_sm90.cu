@@ -49,7 +49,7 @@ struct alignas(1024) Shared {
     elem_t q[STAGES][TILE_M * HEAD_DIM];
     elem_t dout[STAGES][TILE_M * HEAD_DIM];
     elem_t ds[2][TILE_M * TILE_N];         // dS of a visit: [key panel][query][64 keys], swizzled
-    float dq_part[2][TILE_M * HEAD_DIM];  // the visit's share of dQ, row-major
+    float dq_part[2][TILE_M * HEAD_DIM];  // the visit's share of dQ, as dq_sum lays it out
     float stats[STAGES][2][TILE_M];       // lse * log2(e) and delta of the visit's rows
     DqAdd adds[ADDS];                     // the adding thread's work, visit by visit
     Barrier kv_full, kv_empty;            // K and V of an item; released by every consumer thread
@@ -221,8 +221,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 for (int c = 0; c < DQ_N / 8; ++c)
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
-                        const int row = warp * 16 + g + 8 * r, col = dq_col + c * 8 + 2 * t;
-                        *reinterpret_cast<float2*>(part + row * HEAD_DIM + col) =
+                        const int row = warp * 16 + g + 8 * r, chunk = dq_col / 8 + c;
+                        *reinterpret_cast<float2*>(part + (chunk * TILE_M + row) * 8 + 2 * t) =
                             make_float2(dq[c][2 * r], dq[c][2 * r + 1]);
                     }
                 fence_stores_for_mma();  // for the bulk reduction that reads them

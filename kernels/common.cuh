@@ -675,8 +675,10 @@ __device__ __forceinline__ float* stat_row(const Params& p, int b, int h, Stat s
     return p.stats + b * p.stats_sb + h * p.stats_sh + stat * p.stats_sr;
 }
 // The fused backward's scratch past the statistics: HEAD_DIM rows that hold the fp32 dQ sums as
-// [query tile][TILE_M][HEAD_DIM] (the padded length holds whole tiles), then a row of int counters, one per
-// query tile: the adds done so far (zeroed by the statistics pass).
+// [query tile][HEAD_DIM / 8][TILE_M][8] (the padded length holds whole tiles), then a row of int counters, one
+// per query tile: the adds done so far (zeroed by the statistics pass). Eight columns of a row are 32 bytes
+// apart from the next row's: a warp's store of its accumulators' eight rows (two columns a thread) is 256
+// contiguous bytes, where row-major rows fell on the same shared-memory banks (four ways).
 __device__ __forceinline__ float* dq_sum(const Params& p, int b, int h, int tile_q) {
     return stat_row(p, b, h, STAT_DQ) + (long long)tile_q * TILE_M * HEAD_DIM;
 }
