@@ -3,7 +3,7 @@
     git archive main cusparseattn kernels | tar -x -C /tmp/old      # the version to compare against
     python benchmarks/ab.py /tmp/old --cases causal,local1024 --seqs 4096 --no-backward
     python benchmarks/ab.py /tmp/old /tmp/new --rounds 3 --peers cusparseattn,flex
-    python benchmarks/ab.py . . --new-env CUSPARSEATTN_FUSED_BACKWARD=1 --seqs 16384   # one tree, a switch
+    python benchmarks/ab.py . . --old-env CUSPARSEATTN_FUSED_BACKWARD=0 --seqs 16384   # one tree, a switch
 
 Each tree holds ``cusparseattn/`` and ``kernels/``; the second defaults to this checkout. A round runs this
 checkout's bench.py once per tree (``--only cases``, the tree first on PYTHONPATH), the order flipping from

@@ -156,7 +156,7 @@ def _gpu_lines() -> list[str]:
         if hopper:
             lines.append(f"  kernels: portable (mma.sync); not Hopper: {'; '.join(hopper)}")
             continue
-        backward = "fused (CUSPARSEATTN_FUSED_BACKWARD=1)" if env.fused_backward() else "dQ and dK/dV passes"
+        backward = "fused" if env.fused_backward() else "dQ and dK/dV passes (CUSPARSEATTN_FUSED_BACKWARD=0)"
         lines.append(
             f"  kernels: Hopper (TMA, wgmma) for head dims {build.HOPPER_HEAD_DIMS}, else portable; "
             f"backward: {backward}"

@@ -518,26 +518,28 @@ class Forward:
 _STATS_ROWS = 128
 
 
-def stats_shape(q_shape) -> tuple[int, int, int, int]:
-    """The backward's float32 scratch for queries of this shape: [B, Hq, 2, Sq padded to 128] (per query
-    row lse * log2(e), then rowsum(dout * out); written by the dQ pass for the dK/dV pass). Where the fused
-    backward may run (`fused_backward`), D + 1 rows more: its fp32 dQ sums, then a counter per query tile."""
+def stats_shape(q_shape, device: int) -> tuple[int, int, int, int]:
+    """The backward's float32 scratch for queries of this shape on this GPU: [B, Hq, 2, Sq padded to 128]
+    (per query row lse * log2(e), then rowsum(dout * out); written by the dQ pass for the dK/dV pass). Where
+    the fused backward may run (`fused_backward`), D + 1 rows more: its fp32 dQ sums, then a counter per
+    query tile."""
     batch, heads, seq, head_dim = q_shape
-    rows = 2 + (head_dim + 1 if fused_backward(head_dim) else 0)
+    rows = 2 + (head_dim + 1 if fused_backward(head_dim, device) else 0)
     return batch, heads, rows, -(-seq // _STATS_ROWS) * _STATS_ROWS
 
 
-def fused_backward(head_dim: int) -> bool:
-    """Whether a Hopper backward of this head dim runs fused (CUSPARSEATTN_FUSED_BACKWARD=1): dK, dV and dQ in
-    one pass, between a statistics pass and a pass that rounds dQ."""
-    return env.fused_backward() and head_dim in build.HOPPER_HEAD_DIMS
+def fused_backward(head_dim: int, device: int) -> bool:
+    """Whether a Hopper backward of this head dim on this GPU runs fused (unless
+    CUSPARSEATTN_FUSED_BACKWARD=0): dK, dV and dQ in one pass, between a statistics pass and a pass that
+    rounds dQ."""
+    return env.fused_backward() and head_dim in build.HOPPER_HEAD_DIMS and not hopper_device_reasons(device)
 
 
 def backward(
     dout, q, k, v, out, lse, dq, dk, dv, stats, layout: BlockLayout, scale: float, *, score_mod=None
 ):
     """Launches the backward kernels: writes `dq` [B, Hq, Sq, D], `dk` and `dv` [B, Hkv, Sk, D], and `stats`
-    (float32 scratch of `stats_shape(q.shape)`, from the first kernel to the later ones).
+    (float32 scratch of `stats_shape(q.shape, device)`, from the first kernel to the later ones).
 
     Each gradient element is written once by one thread (no atomics), and the fused backward adds dQ's parts
     in an order fixed per query tile: the results are bitwise reproducible.
@@ -566,17 +568,17 @@ class Backward:
 
         head_dim = q.shape[3]
         self.shape, self.dtype, self.device = q.shape, q.dtype, q.device[1]
-        self.stats_shape = stats_shape(q.shape)
+        self.stats_shape = stats_shape(q.shape, self.device)
         stats = arrays.get("stats")
         if stats is not None and tuple(stats.shape) != self.stats_shape:
             # The fused backward writes past the statistics: a scratch made before the switch is short.
             raise ValueError(
-                f"stats must have the shape stats_shape(q.shape) = {self.stats_shape}, got "
-                f"{tuple(stats.shape)} (CUSPARSEATTN_FUSED_BACKWARD adds rows: set it before making the "
-                "scratch)"
+                f"stats must have the shape stats_shape(q.shape, device) = {self.stats_shape}, got "
+                f"{tuple(stats.shape)} (CUSPARSEATTN_FUSED_BACKWARD changes the rows: set it before making "
+                "the scratch)"
             )
         self.hopper = not hopper_reasons(q, k, v, arrays.get("dout"))
-        fused = self.hopper and fused_backward(head_dim)
+        fused = self.hopper and fused_backward(head_dim, self.device)
         made = {name: _Like(q.shape, q.dtype) for name in ("out", "dout", "dq")}
         made |= {name: _Like(k.shape, k.dtype) for name in ("dk", "dv")}
         made |= {"lse": _Like(q.shape[:3], "float32"), "stats": _Like(self.stats_shape, "float32")}

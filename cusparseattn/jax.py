@@ -120,7 +120,8 @@ def run(inputs: Inputs, op: str, backend: str | None) -> tuple:
         if op == "backward":
             from . import cuda
 
-            results += (jax.ShapeDtypeStruct(cuda.stats_shape(q.shape), np.float32),)  # the kernels' scratch
+            scratch = cuda.stats_shape(q.shape, q.device[1])  # the kernels'; a tracer's device: JAX's default
+            results += (jax.ShapeDtypeStruct(scratch, np.float32),)
         call = _Kernels(op, inputs.layout, inputs.scale, inputs.score_mod, q.dtype)
         outputs = buffer_callback(call, results, vmap_method="sequential")(*natives)
         return tuple(outputs[:3]) if op == "backward" else tuple(outputs)

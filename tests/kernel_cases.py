@@ -80,7 +80,7 @@ def run_backward(dout, q, k, v, out, lse, layout, scale=None):
         dq=_poisoned(t["q"].shape, t["q"].dtype),
         dk=_poisoned(t["k"].shape, t["k"].dtype),
         dv=_poisoned(t["v"].shape, t["v"].dtype),
-        stats=_poisoned(cuda.stats_shape(t["q"].shape), torch.float32),
+        stats=_poisoned(cuda.stats_shape(t["q"].shape, t["q"].device.index), torch.float32),
     )
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     h = _wrap(**t, **grads)

@@ -142,7 +142,7 @@ def _device(name, major: int, gib: int, sms: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("fused", [None, "1"])
+@pytest.mark.parametrize("fused", [None, "0"])
 def test_info_says_which_kernels_each_gpu_runs(monkeypatch, fused):
     """On stand-ins for CuPy and two GPUs: the Hopper one's kernels and backward, the other's reason."""
     from cusparseattn import __main__ as cli_module
@@ -166,7 +166,7 @@ def test_info_says_which_kernels_each_gpu_runs(monkeypatch, fused):
         monkeypatch.setenv("CUSPARSEATTN_FUSED_BACKWARD", fused)
     lines = cli_module._gpu_lines()
     assert lines[1] == "GPU 0: NVIDIA H100, compute capability 9.0, 80.0 GiB, 132 SMs"
-    backward = "fused (CUSPARSEATTN_FUSED_BACKWARD=1)" if fused else "dQ and dK/dV passes"
+    backward = "dQ and dK/dV passes (CUSPARSEATTN_FUSED_BACKWARD=0)" if fused else "fused"
     hopper = "  kernels: Hopper (TMA, wgmma) for head dims (64, 128), else portable"
     assert lines[2] == f"{hopper}; backward: {backward}"
     assert lines[4].startswith("  kernels: portable (mma.sync); not Hopper: the Hopper kernels need")

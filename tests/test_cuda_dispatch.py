@@ -61,7 +61,8 @@ def launches(monkeypatch):
     monkeypatch.setattr(cuda, "max_shared", lambda device: 227 * 1024)
     monkeypatch.setattr(cuda, "sm_count", lambda device: 132)
     monkeypatch.delenv("CUSPARSEATTN_HOPPER", raising=False)
-    monkeypatch.delenv("CUSPARSEATTN_FUSED_BACKWARD", raising=False)
+    # The Hopper backward's two passes; the fused backward's test takes the default.
+    monkeypatch.setenv("CUSPARSEATTN_FUSED_BACKWARD", "0")
     geometry, record = {}, []  # a stand-in descriptor's bytes -> the geometry it was encoded for
 
     def encode(data_ptr, shape, strides, dtype, rows):
@@ -137,7 +138,7 @@ def test_backward_packs_both_passes_and_a_score_mod(launches):
     q, dout, out, dq = (Holder((1, 4, seq, dim), address=0x1000 * (i + 1), pad=8 * i) for i in range(4))
     k, v, dk, dv = (Holder((1, 1, seq, dim), address=0x10000 * (i + 1), pad=8 * i) for i in range(4))
     lse = Holder((1, 4, seq), dtype="float32", address=0x100000)
-    stats = Holder(cuda.stats_shape(q.shape), dtype="float32", address=0x200000)
+    stats = Holder(cuda.stats_shape(q.shape, 0), dtype="float32", address=0x200000)
     layout = patterns.dense(block=64).layout(seq)
     score_mod = mods.score_mod(mods.compose(mods.alibi(mods.alibi_slopes(4)), mods.softcap(30.0)))
     cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, layout, 0.5, score_mod=score_mod)
@@ -181,7 +182,7 @@ def test_a_second_call_reuses_the_passes_and_packs_its_own_arrays(launches, monk
         q, dout, out, dq = (Holder((1, 4, seq, dim), address=base + 0x1000 * i, pad=8 * i) for i in range(4))
         k, v, dk, dv = (Holder((1, 2, seq, dim), address=base + 0x10000 * (i + 1)) for i in range(4))
         lse = Holder((1, 4, seq), dtype="float32", address=base + 0x80000)
-        stats = Holder(cuda.stats_shape(q.shape), dtype="float32", address=base + 0x90000)
+        stats = Holder(cuda.stats_shape(q.shape, 0), dtype="float32", address=base + 0x90000)
         q.stream, dout.stream = 0x71 + call, 0x81 + call  # the forward's stream is q's, the backward's dout's
         cuda.forward(q, k, v, out, lse, layout, 0.25)
         cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, layout, 0.25)
@@ -263,7 +264,7 @@ def test_hopper_backward_passes_take_query_and_key_tiles_of_their_own(launches, 
     seq = 300
     q, dout, out, dq = (Holder((2, 4, seq, head_dim)) for _ in range(4))
     k, v, dk, dv = (Holder((2, 2, seq, head_dim)) for _ in range(4))
-    lse, stats = Holder((2, 4, seq), dtype="float32"), Holder(cuda.stats_shape(q.shape), dtype="float32")
+    lse, stats = Holder((2, 4, seq), dtype="float32"), Holder(cuda.stats_shape(q.shape, 0), dtype="float32")
     layout = patterns.causal(block=64).layout(seq)
     cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, layout, 0.1)
     (dq_name, dq_grid, _, dq_args, _, dq_maps), (kv_name, kv_grid, _, kv_args, _, kv_maps) = launches
@@ -287,10 +288,14 @@ def test_the_fused_backward_launches_three_passes_over_a_larger_scratch(launches
     monkeypatch.setattr(cuda, "compute_capability", lambda device: 90)
     monkeypatch.setattr(cuda, "sm_count", lambda device: 5)
     seq = 300
-    assert cuda.stats_shape((2, 4, seq, head_dim)) == (2, 4, 2, 384)
-    monkeypatch.setenv("CUSPARSEATTN_FUSED_BACKWARD", "1")
+    assert cuda.stats_shape((2, 4, seq, head_dim), 0) == (2, 4, 2, 384)  # CUSPARSEATTN_FUSED_BACKWARD=0
+    monkeypatch.delenv("CUSPARSEATTN_FUSED_BACKWARD")  # the default
     # The statistics, then the dQ sums (D rows of the padded length: whole tiles) and a row of counters.
-    assert cuda.stats_shape((2, 4, seq, head_dim)) == (2, 4, 2 + head_dim + 1, 384)
+    assert cuda.stats_shape((2, 4, seq, head_dim), 0) == (2, 4, 2 + head_dim + 1, 384)
+    # Not on a GPU without the Hopper kernels, nor at a head dim they do not take.
+    monkeypatch.setattr(cuda, "compute_capability", lambda device: [90, 80][device])
+    assert cuda.stats_shape((2, 4, seq, head_dim), 1) == (2, 4, 2, 384)
+    assert cuda.stats_shape((2, 4, seq, 96), 0) == (2, 4, 2, 384)
     held = _arrays(seq, head_dim, 0x1000000)
     layout = patterns.causal(block=64).layout(seq)
     names = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "stats")
@@ -309,10 +314,11 @@ def test_the_fused_backward_launches_three_passes_over_a_larger_scratch(launches
     for field in ("work", "col_start", "rank_ptr", "ranks"):
         assert args[0][field] == columns[field].data.ptr, field
     assert args[0]["work_count"] == columns["work"].size
-    # A scratch made before the switch was set is too short for the fused pass: refused before any launch.
+    # A scratch made under CUSPARSEATTN_FUSED_BACKWARD=0 is too short for the fused pass: refused before any
+    # launch.
     launches.clear()
     short = Holder((2, 4, 2, 384), dtype="float32")
-    with pytest.raises(ValueError, match=r"stats must have the shape stats_shape\(q.shape\) = \(2, 4, "):
+    with pytest.raises(ValueError, match=r"must have the shape stats_shape\(q.shape, device\) = \(2, 4, "):
         cuda.backward(*(held[n] for n in names[:-1]), short, layout, 0.1)
     assert launches == []
 
@@ -325,7 +331,7 @@ def _arrays(seq: int, dim: int, base: int) -> dict:
     for i, n in enumerate(("k", "v", "dk", "dv")):
         held[n] = Holder((2, 2, seq, dim), address=base + 0x1000000 * (i + 1), pad=8)
     held["lse"] = Holder((2, 4, seq), dtype="float32", address=base + 0x10000000)
-    held["stats"] = Holder(cuda.stats_shape((2, 4, seq, dim)), dtype="float32", address=base + 0x20000000)
+    held["stats"] = Holder(cuda.stats_shape((2, 4, seq, dim), 0), dtype="float32", address=base + 0x20000000)
     return held
 
 

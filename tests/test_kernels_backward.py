@@ -125,7 +125,7 @@ def test_64bit_offsets():
     h = {n: arrays.wrap(t, n) for n, t in names.items()}
     cuda.forward(h["q"], h["k"], h["v"], h["out"], h["lse"], layout, 1 / math.sqrt(dim))
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-    stats = torch.empty(cuda.stats_shape(q.shape), device="cuda")
+    stats = torch.empty(cuda.stats_shape(q.shape, q.device.index), device="cuda")
     g = {n: arrays.wrap(t, n) for n, t in dict(dout=dout, dq=dq, dk=dk, dv=dv, stats=stats).items()}
     cuda.backward(
         g["dout"], h["q"], h["k"], h["v"], h["out"], h["lse"], g["dq"], g["dk"], g["dv"], g["stats"],
@@ -144,9 +144,11 @@ def test_64bit_offsets():
 @pytest.mark.parametrize("kind", ["dense", "causal", "random", "random_rule"])
 @pytest.mark.parametrize("hopper", [True, False], ids=["hopper", "portable"])
 def test_both_kernels_of_a_hopper_gpu(hopper, kind, head_dim, dtype, monkeypatch):
-    """On an H100/H200 the backward takes the TMA/wgmma kernels, with CUSPARSEATTN_HOPPER=0 the portable ones.
+    """On an H100/H200 the backward takes the TMA/wgmma kernels (their two passes under
+    CUSPARSEATTN_FUSED_BACKWARD=0), with CUSPARSEATTN_HOPPER=0 the portable ones.
     Both against the reference, on ragged lengths, GQA (dK/dV sum two query heads) and a [B, S, H, D] view."""
     launched = hopper_path(monkeypatch, hopper)
+    monkeypatch.setenv("CUSPARSEATTN_FUSED_BACKWARD", "0")
     rng = np.random.default_rng(12)
     q, k, v = random_qkv(rng, 2, 4, 2, 300, 333, head_dim, np_dtype(dtype), "bshd")
     assert_backward_matches(q, k, v, layout_for(kind, rng, 2, 4, 300, 333, 64), dtype, rng)
@@ -158,13 +160,14 @@ def test_both_kernels_of_a_hopper_gpu(hopper, kind, head_dim, dtype, monkeypatch
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("kind", ["dense", "causal", "random", "random_rule"])
 def test_fused_backward(kind, head_dim, dtype, monkeypatch):
-    """CUSPARSEATTN_FUSED_BACKWARD=1 on an H100/H200: the statistics pass, the fused pass (on three CTAs, so
+    """The default backward on an H100/H200: the statistics pass, the fused pass (on three CTAs, so
     that each walks many items and their adds into a query tile wait on each other) and dQ's rounding, as
-    test_both_kernels_of_a_hopper_gpu checks the two passes; and the same bits from a second run."""
+    test_both_kernels_of_a_hopper_gpu checks the two passes (CUSPARSEATTN_FUSED_BACKWARD=0); and the same bits
+    from a second run."""
     from cusparseattn import cuda
 
     launched = hopper_path(monkeypatch, True)
-    monkeypatch.setenv("CUSPARSEATTN_FUSED_BACKWARD", "1")
+    monkeypatch.delenv("CUSPARSEATTN_FUSED_BACKWARD", raising=False)
     monkeypatch.setattr(cuda, "sm_count", lambda device: 3)
     rng = np.random.default_rng(13)
     q, k, v = random_qkv(rng, 2, 4, 2, 300, 333, head_dim, np_dtype(dtype), "bshd")
