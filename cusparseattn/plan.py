@@ -136,10 +136,9 @@ def column_schedule(
     layout_columns = layout_batch * layout_heads * tiles_k
     counts = np.diff(plan.col_ptr).astype(np.int64)
     # Each layout column's walk starts at its diagonal: an offset into its own entries.
-    tile_k = np.repeat(np.arange(layout_columns) % tiles_k, counts)
-    before = plan.col_entries[:, 0] < tile_k * tiles_q // tiles_k
-    start = np.zeros(layout_columns, np.int64)
-    np.add.at(start, np.repeat(np.arange(layout_columns), counts), before)
+    owner = np.repeat(np.arange(layout_columns), counts)
+    before = plan.col_entries[:, 0] < owner % tiles_k * tiles_q // tiles_k
+    start = np.bincount(owner, weights=before, minlength=layout_columns).astype(np.int64)
     start = np.where(counts > 0, start % np.maximum(counts, 1), 0)
 
     # The call's columns, and their layout columns (a layout of one batch element or head serves them all).
@@ -159,21 +158,38 @@ def column_schedule(
 
     rank_ptr = np.zeros(col_counts.size + 1, np.int64)
     np.cumsum(col_counts, out=rank_ptr[1:])
-    column = np.repeat(np.arange(col_counts.size), col_counts)
-    step = np.arange(rank_ptr[-1]) - rank_ptr[column]
-    n = col_counts[column]
-    entry = plan.col_ptr[source[column]] + (start[source[column]] + step) % np.maximum(n, 1)
-    query_tile = (b[column] * heads + h[column]) * tiles_q + plan.col_entries[entry, 0]
-    when = column_start[column] + step
-    order = np.lexsort((deal_rank[item[column]], when, query_tile))
-    ranks = np.empty(order.size, np.int64)
-    tile_sorted = query_tile[order]
-    group_first = np.r_[0, np.flatnonzero(np.diff(tile_sorted)) + 1]
-    sizes = np.diff(np.r_[group_first, order.size])
-    ranks[order] = np.arange(order.size) - np.repeat(group_first, sizes)
+
+    # Per visit, from its column's values repeated (cheaper than gathering them by column at every visit).
+    def per_visit(values):
+        return np.repeat(values, col_counts)
+
+    step = np.arange(rank_ptr[-1]) - per_visit(rank_ptr[:-1])
+    offset, n = per_visit(start[source]) + step, per_visit(col_counts)
+    offset -= n * (offset >= n)  # into the layout column's entries, wrapped once
+    entry = per_visit(plan.col_ptr[source].astype(np.int64)) + offset
+    query_tile = per_visit((b * heads + h) * tiles_q) + plan.col_entries[entry, 0]
+    # Each query tile's adds in the order of (when, the deal's order): when * items + deal rank, unique in a
+    # query tile (an item's columns are of different heads).
+    later = per_visit(column_start * items.size + deal_rank[item]) + step * items.size
+    tiles = batch * heads * tiles_q
+    per_tile = np.bincount(query_tile, minlength=tiles)
+    ranks = np.empty(step.size, np.int64)
+    ranks[_by_tile(query_tile, later, tiles)] = np.arange(step.size) - np.repeat(
+        np.cumsum(per_tile) - per_tile, per_tile
+    )
     return ColumnSchedule(
         table=table, start=start[source].astype(np.int32), rank_ptr=rank_ptr, ranks=ranks.astype(np.int32)
     )
+
+
+def _by_tile(tile: np.ndarray, key: np.ndarray, tiles: int) -> np.ndarray:
+    """The order of visits by tile (below `tiles`), then by key (non-negative, unique within a tile): one sort
+    of a key that holds both where it fits in int64, else two. Stable: the visits come in runs of rising
+    key (a column's walk), which NumPy's stable sort (timsort) merges several times faster than quicksort."""
+    span = int(key.max()) + 1 if key.size else 1
+    if tiles * span < 2**63:
+        return np.argsort(tile * span + key, kind="stable")
+    return np.lexsort((key, tile))
 
 
 def rule_mode(layout: BlockLayout) -> str:

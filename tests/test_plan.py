@@ -232,3 +232,15 @@ def test_column_schedule_orders_every_query_tiles_adds_without_deadlock(
             if blocked[nxt] == 0:
                 ready.append(nxt)
     assert len(done) == len(node)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), huge=st.booleans())
+def test_visits_by_tile_then_key_in_one_sort_or_two(seed, huge):
+    """column_schedule's order of visits: by tile, then by key, as lexsort orders them, whether tile and key
+    fit one int64 sort key or (keys near 2**62) take two sorts."""
+    rng = np.random.default_rng(seed)
+    tiles, n = 5, 200
+    tile = rng.integers(0, tiles, n)
+    key = rng.choice(2**62 if huge else 10 * n, n, replace=False)  # unique, as a tile's keys are
+    assert np.array_equal(plan._by_tile(tile, key, tiles), np.lexsort((key, tile)))
