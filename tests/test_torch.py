@@ -222,9 +222,10 @@ def test_eager_backward_runs_what_the_forward_prepared(preparing, how):
     assert preparing.runs == ["prepared" if how in ("prepared", "hook_copy") else "usual"]
 
 
-def test_repeated_eager_calls_validate_and_prepare_once(preparing):
-    """Calls that repeat a signature (arguments, shapes, strides, dtypes, devices, enabled backends) reuse
-    what the first one decided and prepared, on their own tensors; any change makes a call of its own."""
+def test_repeated_eager_calls_validate_and_prepare_once(preparing, monkeypatch):
+    """Calls that repeat a signature (arguments, shapes, strides, dtypes, devices, enabled backends, the
+    switches that choose kernels) reuse what the first one decided and prepared, on their own tensors; any
+    change makes a call of its own."""
     layout = patterns.local(window=16, block=16)
     sizes = dict(Hq=4, Hkv=2, Sq=40, Sk=40)
     for seed in range(3):
@@ -250,6 +251,10 @@ def test_repeated_eager_calls_validate_and_prepare_once(preparing):
         ca_torch.attention(q, k, v, layout)
         ca_torch.attention(q, k, v, layout)
     assert preparing.prepared["forward"] == len(changes) + 2
+    for count, switch in enumerate(("CUSPARSEATTN_HOPPER", "CUSPARSEATTN_FUSED_BACKWARD"), start=3):
+        monkeypatch.setenv(switch, "0")
+        ca_torch.attention(q, k, v, layout, backend="preparing")
+        assert preparing.prepared["forward"] == len(changes) + count
 
 
 def test_the_prepared_backward_asks_once_per_dout_layout(preparing):
