@@ -31,32 +31,6 @@ struct alignas(1024) Shared {
     Barrier kv_full;
     Ring<STAGES> q_ring;  // Q, dO and their statistics
 };
-// The uses of a key tile, in order: the entries of its layout column for each query head of the group in turn.
-struct ColumnWalk {
-    const Params& p;
-    const int b, hk, tile_k;
-    int j = -1, i = 0;  // head of the group, entry of its column
-    Span span{0, 0};
-    __device__ ColumnWalk(const Params& p_, int b_, int hk_, int tile_k_) : p(p_), b(b_), hk(hk_), tile_k(tile_k_) {
-        skip_empty();
-    }
-    __device__ bool done() const { return j >= p.group; }
-    __device__ int h() const { return hk * p.group + j; }
-    __device__ int2 entry() const { return p.col_entries[span.begin + i]; }
-    __device__ void next() {
-        ++i;
-        skip_empty();
-    }
-
-  private:
-    __device__ void skip_empty() {
-        while (i >= span.count && ++j < p.group) {
-            span = column_span(p, b, h(), tile_k);
-            i = 0;
-        }
-    }
-};
-
 static_assert(sizeof(Shared) + 1024 == SHARED_BYTES, "the builder launches with the kernel's shared memory size");
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -83,7 +57,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         release_registers<24>();
         if (threadIdx.x == 0) {
             int n = 0;  // uses of the ring
-            for (ColumnWalk walk(p, b, hk, tile_k); !walk.done(); walk.next(), ++n) {
+            for (ColumnWalk<false> walk(p, b, hk, tile_k); !walk.done(); walk.next(), ++n) {
                 if (n == 0) {
                     sh.kv_full.expect_bytes(2 * KV_BYTES);
                     tma_load_tile(sh.k, k_map, sh.kv_full, k_tile0, hk, b);
@@ -123,7 +97,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     };
     // P^T and dS^T of use n, in place of S^T and dP^T, once those have landed; with `behind`, the two gradient
     // products issued after them may still run (groups complete in order).
-    auto gradients_of = [&](const ColumnWalk& walk, int n, bool behind) {
+    auto gradients_of = [&](const ColumnWalk<false>& walk, int n, bool behind) {
         const int2 e = walk.entry();
         const int h = walk.h(), q0 = e.x * TILE_M;
         // The partial tile's mask is worked out while the tensor cores run.
@@ -154,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         sh.q_ring.release(n);
     };
 
-    ColumnWalk walk(p, b, hk, tile_k);
+    ColumnWalk<false> walk(p, b, hk, tile_k);
     if (!walk.done()) {
         sh.kv_full.wait(0);
         issue_scores_of(0);

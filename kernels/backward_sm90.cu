@@ -59,43 +59,8 @@ struct alignas(1024) Shared {
 };
 static_assert(sizeof(Shared) + 1024 == SHARED_BYTES, "the builder launches with the kernel's shared memory size");
 
-// An item of the schedule and its visits in order: for each query head of the group, its column's entries
-// from col_start on, wrapping around. Producer, consumers and writers all walk it, and so agree on every
-// buffer and barrier phase.
-struct Visits {
-    const Params& p;
-    int b = -1, hk = 0, tile_k = 0;
-    int j = -1, i = 0, start = 0, column = 0;  // head of the group, step of its column
-    Span span{0, 0};
-
-    __device__ Visits(const Params& p_, int item) : p(p_) {
-        if (item < 0) return;
-        const int heads_kv = p.heads_q / p.group;
-        tile_k = item % p.tiles_k;
-        hk = (item / p.tiles_k) % heads_kv;
-        b = item / (p.tiles_k * heads_kv);
-        skip_empty();
-    }
-    __device__ bool done() const { return j >= p.group; }
-    __device__ int h() const { return hk * p.group + j; }
-    __device__ int2 entry() const { return p.col_entries[span.begin + (start + i) % span.count]; }
-    __device__ int rank() const { return p.ranks[p.rank_ptr[column] + i]; }
-    __device__ void next() {
-        ++i;
-        skip_empty();
-    }
-
-  private:
-    __device__ void skip_empty() {
-        while (i >= span.count && ++j < p.group) {
-            span = column_span(p, b, h(), tile_k);
-            column = (b * p.heads_q + h()) * p.tiles_k + tile_k;
-            start = p.col_start[column];
-            i = 0;
-        }
-    }
-};
-
+// The CTA's w-th item of the schedule, or none (-1) past its last. Producer, consumers and writers all walk
+// its visits (ColumnWalk<true>), and so agree on every buffer and barrier phase.
 __device__ __forceinline__ int item_at(const Params& p, int w) { return w < p.work_count ? p.work[w] : -1; }
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
@@ -125,7 +90,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         if (threadIdx.x == 0) {
             int n = 0;  // visits so far: uses of the ring
             for (int w = blockIdx.x, items = 0;; w += gridDim.x, ++items) {
-                Visits visits(p, item_at(p, w));
+                ColumnWalk<true> visits(p, item_at(p, w));
                 if (visits.b < 0) break;
                 sh.kv_empty.wait((items & 1) ^ 1);  // the last item's consumers are done with K and V
                 sh.kv_full.expect_bytes(2 * KV_BYTES);
@@ -173,7 +138,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 
     int n = 0;
     for (int w = blockIdx.x, items = 0;; w += gridDim.x, ++items) {
-        Visits visits(p, item_at(p, w));
+        ColumnWalk<true> visits(p, item_at(p, w));
         if (visits.b < 0) break;
         const int b = visits.b, k_tile0 = visits.tile_k * TILE_N;
         zero(dk);

@@ -310,6 +310,60 @@ __device__ __forceinline__ void ordered_reduce(float* tile, const float* part, u
     store_release(counter, rank + 1);
 }
 
+// ---- a key tile's column ------------------------------------------------------------------------------------
+// The uses of a key tile by the backward, in order: the entries of its layout column for each query head of
+// the group in turn. SCHEDULED (the fused backward, plan.column_schedule): each column's entries from its
+// col_start on, wrapping around, and each visit's rank among the adds into its query tile.
+template <bool SCHEDULED>
+struct ColumnWalk {
+    const Params& p;
+    int b = -1, hk = 0, tile_k = 0;  // b < 0: no key tile
+    int j = -1, i = 0;               // head of the group, step of its column
+    int start = 0, column = 0;  // SCHEDULED: the column's first entry, its index among the call's columns
+    Span span{0, 0};
+
+    __device__ ColumnWalk(const Params& p_, int b_, int hk_, int tile_k_) : p(p_), b(b_), hk(hk_), tile_k(tile_k_) {
+        skip_empty();
+    }
+    // SCHEDULED: the schedule's item (b * heads_kv + hk) * tiles_k + tile_k; none (b < 0) for item < 0.
+    __device__ ColumnWalk(const Params& p_, int item) : p(p_) {
+        if (item < 0) return;
+        const int heads_kv = p.heads_q / p.group;
+        tile_k = item % p.tiles_k;
+        hk = (item / p.tiles_k) % heads_kv;
+        b = item / (p.tiles_k * heads_kv);
+        skip_empty();
+    }
+    __device__ bool done() const { return j >= p.group; }
+    __device__ int h() const { return hk * p.group + j; }
+    __device__ int2 entry() const {
+        if constexpr (SCHEDULED)
+            return p.col_entries[span.begin + (start + i) % span.count];
+        else
+            return p.col_entries[span.begin + i];
+    }
+    __device__ int rank() const {
+        static_assert(SCHEDULED, "ranks come with the fused backward's schedule");
+        return p.ranks[p.rank_ptr[column] + i];
+    }
+    __device__ void next() {
+        ++i;
+        skip_empty();
+    }
+
+  private:
+    __device__ void skip_empty() {
+        while (i >= span.count && ++j < p.group) {
+            span = column_span(p, b, h(), tile_k);
+            if constexpr (SCHEDULED) {
+                column = (b * p.heads_q + h()) * p.tiles_k + tile_k;
+                start = p.col_start[column];
+            }
+            i = 0;
+        }
+    }
+};
+
 // ---- registers ------------------------------------------------------------------------------------------
 // A warpgroup's per-thread register budget: the producer gives registers back, the consumers take them.
 template <int REGS>
