@@ -571,7 +571,8 @@ class Backward:
         self.stats_shape = stats_shape(q.shape, self.device)
         stats = arrays.get("stats")
         if stats is not None and tuple(stats.shape) != self.stats_shape:
-            # The fused backward writes past the statistics: a scratch made before the switch is short.
+            # The fused backward writes past the statistics: a scratch shaped under
+            # CUSPARSEATTN_FUSED_BACKWARD=0, or for a GPU without the Hopper kernels, is short.
             raise ValueError(
                 f"stats must have the shape stats_shape(q.shape, device) = {self.stats_shape}, got "
                 f"{tuple(stats.shape)} (CUSPARSEATTN_FUSED_BACKWARD changes the rows: set it before making "
