@@ -76,6 +76,13 @@ HOPPER_HEAD_DIMS = (64, 128)
 HOPPER_STAGES = {"forward_sm90": 2, "backward_dq_sm90": 2, "backward_dkdv_sm90": 3, "backward_sm90": 2}
 ARCH = dict.fromkeys(HOPPER_STAGES, "sm_90a")
 KERNELS = tuple(TILES)
+# Tiles that a pass takes over a dense layout (every block set and whole) whose query length they fill to
+# within 1 %. The forward at head dim 64 with three consumers (192 query rows), as FlashAttention-3/4: its
+# softmax is as long as its products, which two consumers cannot both hide. An H100 (bf16, B = 2, H = 16,
+# against 128 rows) ran dense S = 16384 ×1.10, but dense S = 4096 (3 % of the rows padding) ×0.96, and where
+# the tiles, which cross a layout's power-of-two blocks, are partial: causal ×0.84–0.98, strided8 ×0.62–0.76,
+# local1024 ×0.53. Not with a score mod: 160 registers a consumer spill with its arithmetic.
+DENSE_TILES = {"forward_sm90": {64: (192, 128, 16)}}
 # The dQ passes keep more beside the scores and dO V^T with a score mod (its derivative's arithmetic) or with
 # a layout's bit masks (their words): key tiles of 128 then spill at head dim 64, so they take the next tiles.
 MAX_TILE_N = {"backward_dq": {"score": 64}, "backward_dq_sm90": {"bits": 64, "score": 64}}
@@ -117,13 +124,21 @@ def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int
 
 @functools.cache
 def tile_config(
-    kernel: str, head_dim: int, max_shared: int = 227 * 1024, score: bool = False, bits: bool = False
+    kernel: str,
+    head_dim: int,
+    max_shared: int = 227 * 1024,
+    score: bool = False,
+    bits: bool = False,
+    dense: bool = False,
 ) -> tuple[int, int, int]:
     """The preferred tiles of `kernel` for this head dim whose shared memory fits `max_shared` bytes (and
-    whose key tile a score mod, or a layout's bit masks, allow)."""
+    whose key tile a score mod, or a layout's bit masks, allow); `DENSE_TILES` over a `dense` layout."""
     if kernel not in TILES:
         raise ValueError(f"kernel must be one of {sorted(TILES)}, got {kernel!r}")
     padded = -(-head_dim // 16) * 16
+    wide = DENSE_TILES.get(kernel, {}).get(padded)
+    if dense and wide and not score and shared_bytes(kernel, head_dim, wide) <= max_shared:
+        return wide
     needs = {"score": score, "bits": bits}
     max_n = min((n for need, n in MAX_TILE_N.get(kernel, {}).items() if needs[need]), default=1 << 30)
     for limit, candidates in sorted(TILES[kernel].items()):
@@ -419,6 +434,9 @@ def all_specs() -> list[KernelSpec | RuleSpec]:
             if d >= 128:
                 specs += [KernelSpec.make(kernel, "bfloat16", d, *rules[2], tiles=t) for t in candidates[1:]]
         specs += [KernelSpec.make(kernel, "bfloat16", d, *rules[2], score=SAMPLE_SCORE) for d in (64, 128)]
+        specs += [
+            KernelSpec.make(kernel, "float16", d, tiles=t) for d, t in DENSE_TILES.get(kernel, {}).items()
+        ]
     return [*specs, RuleSpec("csa::floormod(k, P0) == 0 && A0[q] == A0[k]")]
 
 

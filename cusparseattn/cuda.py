@@ -414,8 +414,19 @@ def _pass(kernel: str, grid, tables: DeviceTables, score, scale: float, tiles, w
 
 def _tiled_tables(kernel: str, layout: BlockLayout, head_dim: int, device: int, score, tiles=None):
     bits = plan.rule_mode(layout) == "bits"
-    tiles = tiles or build.tile_config(kernel, head_dim, max_shared(device), score is not None, bits)
+    dense = _fills_dense_tiles(kernel, layout, head_dim)
+    tiles = tiles or build.tile_config(kernel, head_dim, max_shared(device), score is not None, bits, dense)
     return device_tables(layout, tiles[0], tiles[1], device), tiles
+
+
+def _fills_dense_tiles(kernel: str, layout: BlockLayout, head_dim: int) -> bool:
+    """Whether `kernel` may take its dense tiles (build.DENSE_TILES) over `layout`: every block set and
+    whole, the query length padded to the tiles by under 1 %, and a tile's cells (plan.tile_cells) held."""
+    tiles = build.DENSE_TILES.get(kernel, {}).get(head_dim)
+    if tiles is None or layout.partial.any() or not layout.blocks.all():
+        return False
+    padded = -(-layout.seq_q // tiles[0]) * tiles[0]
+    return padded <= 1.01 * layout.seq_q and plan.tile_cells(*tiles[:2], layout.block_size) <= plan.MAX_CELLS
 
 
 # The arrays a Hopper backward pass copies by TMA, in the order of its descriptor arguments.

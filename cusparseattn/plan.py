@@ -15,6 +15,7 @@ Everything here is vectorised NumPy over tiles, computed once per (layout, tile 
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -210,9 +211,23 @@ def _tiled(cells: np.ndarray, tiles_q: int, per_q: int, tiles_k: int, per_k: int
     return np.pad(cells, pad, constant_values=fill).reshape(nb, nh, tiles_q, per_q, tiles_k, per_k)
 
 
+# A partial tile's cells are bits of one word (sub_bits).
+MAX_CELLS = 64
+
+
+def tile_cells(tile_m: int, tile_n: int, block_size: tuple[int, int]) -> int:
+    """How many cells a tile has: the largest units inside which nothing changes, in tiles and blocks."""
+    return tile_m // math.gcd(block_size[0], tile_m) * (tile_n // math.gcd(block_size[1], tile_n))
+
+
 def build(layout: BlockLayout, tile_m: int, tile_n: int) -> TilePlan:
     bq, bk = layout.block_size
-    cq, ck = min(bq, tile_m), min(bk, tile_n)  # cell: the largest unit inside which nothing changes
+    if tile_cells(tile_m, tile_n, layout.block_size) > MAX_CELLS:
+        raise ValueError(
+            f"tiles of {tile_m} x {tile_n} hold more than {MAX_CELLS} cells of {bq} x {bk} blocks: "
+            "take smaller tiles"
+        )
+    cq, ck = math.gcd(bq, tile_m), math.gcd(bk, tile_n)  # cell: the largest unit inside which nothing changes
     rows, cols = -(-layout.seq_q // cq), -(-layout.seq_k // ck)
     tiles_q, tiles_k = -(-layout.seq_q // tile_m), -(-layout.seq_k // tile_n)
     per_q, per_k = tile_m // cq, tile_n // ck

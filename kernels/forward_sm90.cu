@@ -3,28 +3,32 @@
 //
 // Persistent: one CTA per SM walks its part of the schedule (plan.work_order: every (batch element, query
 // head, query tile), dealt heaviest row first to the CTA that would be free first), entries blockIdx.x,
-// blockIdx.x + gridDim.x, ... up to a -1, each item's row read a step ahead (Walk). Three warpgroups. The
-// producer gives most of its registers to the others; one of its threads copies each item's Q tile into a
-// ring of two, then the K and V tiles that the layout's row lists into two rings of STAGES buffers
-// (hopper.cuh's Ring); the rings run on across items. K_i is released once S_i has landed, a step before V_i,
-// so the next K copy starts early, and Q once the row's last S has landed; the next item's Q is copied while
-// this one runs. Each consumer warpgroup owns 64 query rows: S = Q K^T from shared memory, then the mask,
-// score mod and online softmax of the mma.sync kernel (a warp holds its accumulators alike), then O += P V
-// with P from registers, overlapped with the next tile's softmax. The two consumers take turns to issue their
-// products, so that one's softmax overlaps the other's matrix products. Items run on into each other: a
-// row's last O += P V is issued with the next row's first S, and the row is written out while that S is in
-// flight, so that short rows (narrow windows, S = 4096) keep the tensor cores busy. Writes out
-// [B, Hq, Sq, D] and lse [B, Hq, Sq] as forward.cu does.
+// blockIdx.x + gridDim.x, ... up to a -1, each item's row read a step ahead (Walk). A producer warpgroup and
+// one consumer warpgroup for each 64 query rows: two, or three (build.DENSE_TILES) over a dense layout at
+// head dim 64, whose softmax takes as long as its products. The producer gives most of its registers to the
+// others; one of its threads copies each item's Q tile into a ring of two, then the K and V tiles that the
+// layout's row lists into two rings of STAGES buffers (hopper.cuh's Ring); the rings run on across items. K_i
+// is released once S_i has landed, a step before V_i, so the next K copy starts early, and Q once the row's
+// last S has landed; the next item's Q is copied while this one runs. Each consumer warpgroup owns 64 query
+// rows: S = Q K^T from shared memory, then the mask, score mod and online softmax of the mma.sync kernel (a
+// warp holds its accumulators alike), then O += P V with P from registers, overlapped with the next tile's
+// softmax. The consumers take turns to issue their products, so that one's softmax overlaps the others'
+// matrix products. Items run on into each other: a row's last O += P V is issued with the next row's first S,
+// and the row is written out while that S is in flight, so that short rows (narrow windows, S = 4096) keep
+// the tensor cores busy. Writes out [B, Hq, Sq, D] and lse [B, Hq, Sq] as forward.cu does.
 #include "hopper.cuh"
 
 using namespace csa;
 
-static_assert(TILE_M == CONSUMERS * 64, "two 64-row consumers");
+static_assert(TILE_M == CONSUMERS * 64, "a consumer warpgroup for each 64 query rows");
 static_assert(TILE_N % 16 == 0 && TILE_N <= 256, "a key tile is one wgmma N");
 
 constexpr unsigned Q_BYTES = TILE_M * HEAD_DIM * sizeof(elem_t);
 // Two Q buffers: the next item's Q is copied while this one runs, which short rows (a narrow window) notice.
 constexpr int Q_STAGES = 2;
+// setmaxnreg moves registers within the CTA's allocation (65536 / THREADS a thread): the producer keeps 24 and
+// the consumers share the rest, 240 each of two or 160 each of three.
+constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = (65536 / 128 - PRODUCER_REGS) / CONSUMERS / 8 * 8;
 
 struct alignas(1024) Shared {
     elem_t q[Q_STAGES][TILE_M * HEAD_DIM];
@@ -56,7 +60,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     // Both roles count the items with a row (`rows_done`: uses of the Q ring) and the K/V tiles so far
     // (`uses`: uses of the rings), and so agree on every buffer and barrier phase.
     if (warpgroup == 0) {
-        release_registers<24>();
+        release_registers<PRODUCER_REGS>();
         if (threadIdx.x == 0) {
             int rows_done = 0, uses = 0;
             for (Walk walk(p); !walk.done();) {
@@ -73,7 +77,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         }
         return;
     }
-    claim_registers<240>();
+    claim_registers<CONSUMER_REGS>();
 
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31;
     const int consumer = warpgroup - 1, rows = consumer * 64 + warp * 16;  // rows: the warp's first row in a tile
@@ -100,8 +104,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
 
     // Once a row has run (rows_done > 0), `last` is the one whose last O += P V, ring use uses - 1, is still to
     // be issued (its o, sm and pa are live): the next row's first turn issues it, or the turn after the loop.
-    // The consumers take turns to issue (ping-pong), consumer 0 first; the last turn of consumer 1 is not
-    // passed on, so every wait meets exactly one arrival.
+    // The consumers take turns to issue (round the ring), consumer 0 first: the last consumer passes a turn
+    // before its first and not after its last, so every wait meets exactly one arrival.
     Row last{};
     int rows_done = 0, uses = 0;
     for (Walk walk(p); !walk.done();) {
@@ -145,7 +149,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             finish_output_of(uses - 1);
             finish_rows(p, sm, o, last.b, last.h, last.q0 + rows, lane);
         } else {
-            if (consumer == 1) pass_turn(consumer);
+            if (consumer == CONSUMERS - 1) pass_turn(consumer);
             take_turn(consumer);
             issue_scores_of(rows_done, uses);
             pass_turn(consumer);
@@ -172,7 +176,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     if (rows_done > 0) {
         take_turn(consumer);
         issue_output_of(uses - 1);
-        if (consumer == 0) pass_turn(consumer);
+        if (consumer + 1 < CONSUMERS) pass_turn(consumer);
         wgmma_wait<0>();
         finish_output_of(uses - 1);
         finish_rows(p, sm, o, last.b, last.h, last.q0 + rows, lane);

@@ -17,11 +17,12 @@
 
 namespace csa {
 
-// Every Hopper pass: one producer warpgroup, two consumer warpgroups of 64 rows (queries, or keys in the dK/dV
-// pass), rings of STAGES buffers (the builder's HOPPER_STAGES), tiles of whole 64-element panels.
-constexpr int CONSUMERS = 2;
-constexpr int THREADS = (CONSUMERS + 1) * 128;
-static_assert(NWARPS * 32 == THREADS, "one producer and two consumer warpgroups");
+// Every Hopper pass: one producer warpgroup and consumer warpgroups of 64 rows (queries, or keys in the dK/dV
+// pass): two, or three in the forward over a dense layout at head dim 64 (the builder's NWARPS); rings of
+// STAGES buffers (the builder's HOPPER_STAGES), tiles of whole 64-element panels.
+constexpr int THREADS = NWARPS * 32;
+constexpr int CONSUMERS = NWARPS / 4 - 1;
+static_assert(NWARPS % 4 == 0 && CONSUMERS >= 2, "one producer and two or more consumer warpgroups");
 static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM == HEAD_DIM_REAL, "tiles are whole 64-element panels");
 
 // A CUtensorMap (the driver's 128-byte opaque TMA descriptor), passed as a __grid_constant__ kernel argument.
@@ -262,14 +263,14 @@ __device__ __forceinline__ void issue_AB(float (&acc)[N / 8][4], const elem_t* a
     wgmma_commit();
 }
 
-// Turns between two consumer warpgroups (named barriers 1 and 2, 256 threads each: one warpgroup waits, the
-// other arrives). Consumer c takes its turn on barrier 1 + c and passes it on barrier 2 - c: while one issues
-// its products, the other runs its softmax.
+// Turns among the consumer warpgroups, round the ring (named barriers 1 to CONSUMERS, 256 threads each: one
+// warpgroup waits, the one before it arrives). Consumer c takes its turn on barrier 1 + c and passes it to the
+// next on barrier 1 + (c + 1) % CONSUMERS: while one issues its products, the others run their softmax.
 __device__ __forceinline__ void take_turn(int consumer) {
     asm volatile("bar.sync %0, 256;\n" ::"r"(1 + consumer) : "memory");
 }
 __device__ __forceinline__ void pass_turn(int consumer) {
-    asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - consumer) : "memory");
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (consumer + 1) % CONSUMERS) : "memory");
 }
 
 // ---- sums in a fixed order across CTAs ----------------------------------------------------------------------

@@ -26,6 +26,8 @@ def random_layout(seq: int) -> BlockLayout:
 CASES = [
     ("dense fp16 d64", torch.float16, 64, 2, 256, patterns.dense(block=64)),
     ("causal bf16 d128 ragged", torch.bfloat16, 128, 1, 333, patterns.causal(block=128)),
+    # Three consumers at head dim 64 (build.DENSE_TILES): a dense layout that fills query tiles of 192 rows.
+    ("dense bf16 d64 wide", torch.bfloat16, 64, 2, 384, patterns.dense(block=128)),
     ("local bf16 d40 bshd", torch.bfloat16, 40, 2, 300, patterns.local(window=70, block=16)),
     ("random bits fp16 d256", torch.float16, 256, 4, 200, None),
     # The Hopper kernels' empty rows: a persistent CTA writes one while the row before it is still in flight.

@@ -203,39 +203,56 @@ def test_a_second_call_reuses_the_passes_and_packs_its_own_arrays(launches, monk
     assert [len(p._bound) for p in passes] == [1, 1, 1]
 
 
-def _forward(head_dim, seq=300, **kwargs):
+def _forward(head_dim, seq=300, pattern=None, **kwargs):
     q, k, v = (
         Holder((2, 4, seq, head_dim), **kwargs),
         Holder((2, 2, seq, head_dim)),
         Holder((2, 2, seq, head_dim)),
     )
     out, lse = Holder((2, 4, seq, head_dim)), Holder((2, 4, seq), dtype="float32")
-    layout = patterns.causal(block=64).layout(seq)
+    layout = (pattern or patterns.causal(block=64)).layout(seq)
     cuda.forward(q, k, v, out, lse, layout, 0.1)
     return layout  # its device tables live as long as it does
 
 
-@pytest.mark.parametrize(("head_dim", "sms"), [(64, 132), (128, 132), (128, 5)])
-def test_hopper_gpus_run_the_hopper_forward_with_three_tma_maps(launches, monkeypatch, head_dim, sms):
+@pytest.mark.parametrize(
+    ("head_dim", "sms", "seq", "dense"),
+    [
+        (64, 132, 300, False),
+        (128, 132, 300, False),
+        (128, 5, 300, False),
+        (64, 132, 384, True),
+        (128, 132, 384, True),
+        (64, 132, 400, True),
+    ],
+)
+def test_hopper_gpus_run_the_hopper_forward_with_three_tma_maps(
+    launches, monkeypatch, head_dim, sms, seq, dense
+):
     monkeypatch.setattr(cuda, "compute_capability", lambda device: 90)
     monkeypatch.setattr(cuda, "sm_count", lambda device: sms)
-    layout = _forward(head_dim)
+    layout = _forward(head_dim, seq, patterns.dense(block=128) if dense else patterns.causal(block=64))
     ((name, grid, (threads, _, _), args, shared, maps),) = launches
     nargs = len(args)
-    assert name.startswith(f"forward_sm90_bf16_d{head_dim}_q128k128w12") and threads == 384
-    # Persistent: 300 rows in tiles of 128, 4 heads, 2 batch elements are 24 items, one CTA per SM at most.
-    assert grid == (min(24, sms), 1, 1) and nargs == 4  # the parameters, then q, k, v maps
+    # Three consumers (192 query rows) at head dim 64 over a dense layout that fills them (400 rows would pad
+    # to 576), else two.
+    tm, nw = (192, 16) if head_dim == 64 and seq == 384 else (128, 12)
+    assert name.startswith(f"forward_sm90_bf16_d{head_dim}_q{tm}k128w{nw}") and threads == 32 * nw
+    # Persistent: the rows in tiles of tm, 4 heads, 2 batch elements are the items, one CTA per SM at most.
+    tiles_q = -(-seq // tm)
+    items = 8 * tiles_q
+    assert grid == (min(items, sms), 1, 1) and nargs == 4  # the parameters, then q, k, v maps
     (tables,) = cuda._tables[id(layout)].values()
-    work = tables.work(2, 4, min(24, sms), 2 * sms)["work"]  # the schedule plan.work_order deals (test_plan)
+    work = tables.work(2, 4, min(items, sms), 2 * sms)["work"]  # plan.work_order deals it (test_plan)
     assert args[0]["work"] == work.data.ptr and args[0]["work_count"] == work.size
-    assert sorted(work.host[work.host >= 0]) == list(range(24)) and work.size % grid[0] == 0
-    if sms == 132:  # one item per CTA, in the order dealt: the last query tile of each line first
-        assert list(work.host % 3) == [2] * 8 + [1] * 8 + [0] * 8
-    assert shared == build.shared_bytes("forward_sm90", head_dim, (128, 128, 12))
+    assert sorted(work.host[work.host >= 0]) == list(range(items)) and work.size % grid[0] == 0
+    if sms == 132 and not dense:  # one item per CTA in the order dealt: each line's last query tile first
+        assert list(work.host % tiles_q) == [t for t in reversed(range(tiles_q)) for _ in range(8)]
+    assert shared == build.shared_bytes("forward_sm90", head_dim, (tm, 128, nw))
     panels = head_dim // 64
-    # q, k, v in that order: [B, H, S, D] as (64, S, D / 64, H, B), boxes of 128 rows.
-    assert [m[0] for m in maps] == [(64, 300, panels, 4, 2), (64, 300, panels, 2, 2), (64, 300, panels, 2, 2)]
-    assert all(m[2] == (64, 128, panels, 1, 1) for m in maps)
+    # q, k, v in that order: [B, H, S, D] as (64, S, D / 64, H, B), boxes of a query or a key tile
+    assert [m[0] for m in maps] == [(64, seq, panels, 4, 2), (64, seq, panels, 2, 2), (64, seq, panels, 2, 2)]
+    assert [m[2] for m in maps] == [(64, tm, panels, 1, 1)] + [(64, 128, panels, 1, 1)] * 2
 
 
 @pytest.mark.parametrize(

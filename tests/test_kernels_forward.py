@@ -127,6 +127,22 @@ def test_both_kernels_of_a_hopper_gpu(hopper, kind, head_dim, dtype, monkeypatch
     assert launched == ["forward_sm90" if hopper else "forward"]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sms", [3, 132])
+def test_the_hopper_forward_takes_three_consumers_over_a_dense_layout_at_head_dim_64(sms, dtype, monkeypatch):
+    """192 query rows a tile (build.DENSE_TILES) where a dense layout's query length fills them: ragged keys,
+    GQA, a [B, S, H, D] view, and CTAs that walk many items in turn (sms=3) or one each."""
+    from cusparseattn import cuda
+
+    launched = hopper_path(monkeypatch, True)
+    monkeypatch.setattr(cuda, "sm_count", lambda device: sms)
+    rng = np.random.default_rng(sms)
+    q, k, v = random_qkv(rng, 2, 4, 2, 384, 333, 64, np_dtype(dtype), "bshd")
+    layout = patterns.dense(block=64).layout(384, 333)
+    assert_matches(q, k, v, layout, dtype)
+    assert launched == ["forward_sm90"] and list(cuda._tables[id(layout)]) == [(192, 128, 0)]
+
+
 @pytest.mark.parametrize("sms", [1, 5])
 @pytest.mark.parametrize("kind", ["causal", "random"])
 def test_the_persistent_hopper_forward_walks_many_items_per_cta(sms, kind, monkeypatch):

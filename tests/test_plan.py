@@ -9,6 +9,7 @@ sequence), a partial one applies its sub-block bits, then the rule in partial ce
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -66,7 +67,7 @@ def assert_plan_exact(layout: BlockLayout, tile_m: int, tile_n: int):
     return p
 
 
-TILES = [(128, 128), (128, 64), (64, 32), (64, 128), (32, 64)]  # forward, dQ and dK/dV tiles
+TILES = [(192, 128), (128, 128), (128, 64), (64, 32), (64, 128), (32, 64)]  # forward, dQ and dK/dV tiles
 
 
 @settings(max_examples=40, deadline=None)
@@ -90,6 +91,10 @@ def test_random_layouts_survive_tiling(seq_q, seq_k, block, tiles, with_rule, se
         rule = TokenRule("mod3", lambda b, h, q, k: (q + 2 * k + h) % 3 != 0, c_expr=expr)
         partial = blocks & (rng.random(blocks.shape) < 0.5)
         layout = BlockLayout(blocks, block_size=block, seq_q=seq_q, seq_k=seq_k, partial=partial, rule=rule)
+    if plan.tile_cells(*tiles, layout.block_size) > plan.MAX_CELLS:  # 192 x 128 over 16 x 16 blocks: 96
+        with pytest.raises(ValueError, match="take smaller tiles"):
+            plan.build(layout, *tiles)
+        return
     p = assert_plan_exact(layout, *tiles)
     assert p.rule_mode == ("none" if with_rule == "none" or not layout.partial.any() else with_rule)
 
@@ -97,6 +102,10 @@ def test_random_layouts_survive_tiling(seq_q, seq_k, block, tiles, with_rule, se
 def test_patterns_survive_tiling():
     for pattern in (patterns.causal(block=32), patterns.local(window=70, block=16), patterns.dense(block=64)):
         assert_plan_exact(pattern.layout(333, 400), 128, 128)
+    # A query tile across blocks (192 rows, blocks of 128): cells of 64 rows.
+    for pattern in (patterns.causal(block=128), patterns.local(300, block=128), patterns.dense(block=64)):
+        p = assert_plan_exact(pattern.layout(1000, 900), 192, 128)
+        assert p.sub_q_shift == 6
 
 
 def test_full_tiles_need_no_mask():
