@@ -263,12 +263,15 @@ __device__ __forceinline__ void issue_AB(float (&acc)[N / 8][4], const elem_t* a
     wgmma_commit();
 }
 
+// Waits at named barrier `id` (0 is __syncthreads') until `threads` threads have arrived at it.
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Turns among the consumer warpgroups, round the ring (named barriers 1 to CONSUMERS, 256 threads each: one
 // warpgroup waits, the one before it arrives). Consumer c takes its turn on barrier 1 + c and passes it to the
 // next on barrier 1 + (c + 1) % CONSUMERS: while one issues its products, the others run their softmax.
-__device__ __forceinline__ void take_turn(int consumer) {
-    asm volatile("bar.sync %0, 256;\n" ::"r"(1 + consumer) : "memory");
-}
+__device__ __forceinline__ void take_turn(int consumer) { named_barrier(1 + consumer, 256); }
 __device__ __forceinline__ void pass_turn(int consumer) {
     asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (consumer + 1) % CONSUMERS) : "memory");
 }
@@ -283,9 +286,6 @@ __device__ __forceinline__ int load_acquire(const int* p) {
 }
 __device__ __forceinline__ void store_release(int* p, int v) {
     asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ void named_barrier(int id, int threads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // The add ranked `rank` of `part` (shared, `bytes`) into `tile` (global fp32, as long), by one thread: waits
