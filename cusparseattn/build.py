@@ -76,13 +76,15 @@ HOPPER_HEAD_DIMS = (64, 128)
 HOPPER_STAGES = {"forward_sm90": 2, "backward_dq_sm90": 2, "backward_dkdv_sm90": 3, "backward_sm90": 2}
 ARCH = dict.fromkeys(HOPPER_STAGES, "sm_90a")
 KERNELS = tuple(TILES)
-# Tiles that a pass takes over a dense layout (every block set and whole) whose query length they fill to
-# within 1 %. The forward at head dim 64 with three consumers (192 query rows), as FlashAttention-3/4: its
-# softmax is as long as its products, which two consumers cannot both hide. An H100 (bf16, B = 2, H = 16,
-# against 128 rows) ran dense S = 16384 ×1.10, but dense S = 4096 (3 % of the rows padding) ×0.96, and where
-# the tiles, which cross a layout's power-of-two blocks, are partial: causal ×0.84–0.98, strided8 ×0.62–0.76,
-# local1024 ×0.53. Not with a score mod: 160 registers a consumer spill with its arithmetic.
-DENSE_TILES = {"forward_sm90": {64: (192, 128, 16)}}
+# Wider tiles that a pass may take over a layout (cuda.py weighs them against its default tiles): the forward
+# at head dim 64 with three consumers (192 query rows), as FlashAttention-3/4, whose softmax is as long as its
+# products, which two consumers cannot both hide. WIDE_TILE_COST: a wide tile's time against a default one's,
+# fitted on an H100 (bf16, B = 2, H = 16, against 128 rows): dense S = 16384 ran x1.07-1.10, 192 rows in 1.38
+# times the time. Where the query length pads to 192 rows (dense S = 4096: x0.95) or a row visits more keys
+# than it needs (local1024: x0.91-0.94), they lose; causal ran x1.02-1.06, strided8 x0.97-1.02. Not with a
+# score mod (160 registers a consumer spill with its arithmetic) nor with a layout's bit masks.
+WIDE_TILES = {"forward_sm90": {64: (192, 128, 16)}}
+WIDE_TILE_COST = 1.38
 # The dQ passes keep more beside the scores and dO V^T with a score mod (its derivative's arithmetic) or with
 # a layout's bit masks (their words): key tiles of 128 then spill at head dim 64, so they take the next tiles.
 MAX_TILE_N = {"backward_dq": {"score": 64}, "backward_dq_sm90": {"bits": 64, "score": 64}}
@@ -129,16 +131,16 @@ def tile_config(
     max_shared: int = 227 * 1024,
     score: bool = False,
     bits: bool = False,
-    dense: bool = False,
+    wide: bool = False,
 ) -> tuple[int, int, int]:
     """The preferred tiles of `kernel` for this head dim whose shared memory fits `max_shared` bytes (and
-    whose key tile a score mod, or a layout's bit masks, allow); `DENSE_TILES` over a `dense` layout."""
+    whose key tile a score mod, or a layout's bit masks, allow); its `WIDE_TILES` where `wide` asks."""
     if kernel not in TILES:
         raise ValueError(f"kernel must be one of {sorted(TILES)}, got {kernel!r}")
     padded = -(-head_dim // 16) * 16
-    wide = DENSE_TILES.get(kernel, {}).get(padded)
-    if dense and wide and not score and shared_bytes(kernel, head_dim, wide) <= max_shared:
-        return wide
+    tiles = WIDE_TILES.get(kernel, {}).get(padded)
+    if wide and tiles and not (score or bits) and shared_bytes(kernel, head_dim, tiles) <= max_shared:
+        return tiles
     needs = {"score": score, "bits": bits}
     max_n = min((n for need, n in MAX_TILE_N.get(kernel, {}).items() if needs[need]), default=1 << 30)
     for limit, candidates in sorted(TILES[kernel].items()):
@@ -434,9 +436,11 @@ def all_specs() -> list[KernelSpec | RuleSpec]:
             if d >= 128:
                 specs += [KernelSpec.make(kernel, "bfloat16", d, *rules[2], tiles=t) for t in candidates[1:]]
         specs += [KernelSpec.make(kernel, "bfloat16", d, *rules[2], score=SAMPLE_SCORE) for d in (64, 128)]
-        specs += [
-            KernelSpec.make(kernel, "float16", d, tiles=t) for d, t in DENSE_TILES.get(kernel, {}).items()
-        ]
+        for d, t in WIDE_TILES.get(kernel, {}).items():
+            specs += [
+                KernelSpec.make(kernel, "float16", d, tiles=t),
+                KernelSpec.make(kernel, "bfloat16", d, *rules[2], tiles=t),
+            ]
     return [*specs, RuleSpec("csa::floormod(k, P0) == 0 && A0[q] == A0[k]")]
 
 

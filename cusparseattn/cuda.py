@@ -412,21 +412,28 @@ def _pass(kernel: str, grid, tables: DeviceTables, score, scale: float, tiles, w
     return made
 
 
-def _tiled_tables(kernel: str, layout: BlockLayout, head_dim: int, device: int, score, tiles=None):
+def _tiled_tables(
+    kernel: str, layout: BlockLayout, head_dim: int, device: int, score, tiles=None, wide=False
+):
     bits = plan.rule_mode(layout) == "bits"
-    dense = _fills_dense_tiles(kernel, layout, head_dim)
-    tiles = tiles or build.tile_config(kernel, head_dim, max_shared(device), score is not None, bits, dense)
+    tiles = tiles or build.tile_config(kernel, head_dim, max_shared(device), score is not None, bits, wide)
     return device_tables(layout, tiles[0], tiles[1], device), tiles
 
 
-def _fills_dense_tiles(kernel: str, layout: BlockLayout, head_dim: int) -> bool:
-    """Whether `kernel` may take its dense tiles (build.DENSE_TILES) over `layout`: every block set and
-    whole, the query length padded to the tiles by under 1 %, and a tile's cells (plan.tile_cells) held."""
-    tiles = build.DENSE_TILES.get(kernel, {}).get(head_dim)
-    if tiles is None or layout.partial.any() or not layout.blocks.all():
+def _wide_pays(kernel: str, layout: BlockLayout, head_dim: int, batch: int, heads: int, device: int) -> bool:
+    """Whether the persistent `kernel`'s wide tiles (build.WIDE_TILES) would finish this call sooner than its
+    default ones: the makespans of their schedules (plan.makespan, as `Forward` deals them), a wide tile
+    weighted by build.WIDE_TILE_COST. Tiles that hold too many of the layout's cells never pay."""
+    wide = build.WIDE_TILES.get(kernel, {}).get(head_dim)
+    if wide is None or plan.tile_cells(*wide[:2], layout.block_size) > plan.MAX_CELLS:
         return False
-    padded = -(-layout.seq_q // tiles[0]) * tiles[0]
-    return padded <= 1.01 * layout.seq_q and plan.tile_cells(*tiles[:2], layout.block_size) <= plan.MAX_CELLS
+    sms = sm_count(device)
+
+    def span(tiles) -> int:
+        counts = plan.visits(layout, *tiles[:2])
+        return plan.makespan(counts, batch, heads, min(batch * heads * counts.shape[2], sms), 2 * sms)
+
+    return build.WIDE_TILE_COST * span(wide) < span(build.tile_config(kernel, head_dim, max_shared(device)))
 
 
 # The arrays a Hopper backward pass copies by TMA, in the order of its descriptor arguments.
@@ -501,7 +508,8 @@ class Forward:
         with cupy.cuda.Device(device), _stream(q.stream):
             _bind(device)
             score = score_tables(score_mod, device)
-            tables, tiles = _tiled_tables(kernel, layout, q.shape[3], device, score, tiles)
+            wide = score is None and _wide_pays(kernel, layout, q.shape[3], batch, heads_q, device)
+            tables, tiles = _tiled_tables(kernel, layout, q.shape[3], device, score, tiles, wide)
             rows, work = {}, None
             if kernel == "forward_sm90":  # persistent: one CTA per SM walks its part of the schedule
                 ctas = min(batch * heads_q * tables.plan.tiles_q, sm_count(device))

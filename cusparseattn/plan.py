@@ -72,8 +72,20 @@ def work_order(
     (costs in key tiles, plus ITEM_COST). Dealt longest-first, the CTAs' totals stay close, and a skewed
     layout (causal, documents) leaves no SM idle at the end. Equal rows keep their order."""
     counts = np.diff(plan.row_ptr).reshape(layout_batch, layout_heads, plan.tiles_q)
-    counts = np.broadcast_to(counts, (batch, heads, plan.tiles_q)).reshape(-1)
-    return _deal(counts, plan.tiles_q, group_items, ctas)[0]
+    return _deal(_per_call(counts, batch, heads), plan.tiles_q, group_items, ctas)[0]
+
+
+def makespan(counts: np.ndarray, batch: int, heads: int, ctas: int, group_items: int = 1) -> int:
+    """When the last CTA of `work_order`'s deal would finish, in key tiles (an item's count plus ITEM_COST),
+    for `counts` [layout batch, layout heads, tiles_q], the key tiles each row visits (`visits`)."""
+    counts = _per_call(counts, batch, heads)
+    start = _deal(counts, counts.size // (batch * heads), group_items, ctas)[1]
+    return int((start + counts + ITEM_COST).max())
+
+
+def _per_call(counts: np.ndarray, batch: int, heads: int) -> np.ndarray:
+    """A layout's [batch, heads, tiles_q] counts for every (b, h, query tile) of a call, flat."""
+    return np.broadcast_to(counts, (batch, heads, counts.shape[2])).reshape(-1)
 
 
 def _deal(counts: np.ndarray, line: int, group_items: int, ctas: int) -> tuple[np.ndarray, np.ndarray]:
@@ -204,13 +216,6 @@ def _fine(mask: np.ndarray, rep_q: int, rep_k: int, rows: int, cols: int) -> np.
     return mask.repeat(rep_q, axis=2).repeat(rep_k, axis=3)[:, :, :rows, :cols]
 
 
-def _tiled(cells: np.ndarray, tiles_q: int, per_q: int, tiles_k: int, per_k: int, fill: bool) -> np.ndarray:
-    """[B, H, rows, cols] cells padded with `fill` and viewed as [B, H, tiles_q, per_q, tiles_k, per_k]."""
-    nb, nh, rows, cols = cells.shape
-    pad = ((0, 0), (0, 0), (0, tiles_q * per_q - rows), (0, tiles_k * per_k - cols))
-    return np.pad(cells, pad, constant_values=fill).reshape(nb, nh, tiles_q, per_q, tiles_k, per_k)
-
-
 # A partial tile's cells are bits of one word (sub_bits).
 MAX_CELLS = 64
 
@@ -220,24 +225,69 @@ def tile_cells(tile_m: int, tile_n: int, block_size: tuple[int, int]) -> int:
     return tile_m // math.gcd(block_size[0], tile_m) * (tile_n // math.gcd(block_size[1], tile_n))
 
 
-def build(layout: BlockLayout, tile_m: int, tile_n: int) -> TilePlan:
-    bq, bk = layout.block_size
-    if tile_cells(tile_m, tile_n, layout.block_size) > MAX_CELLS:
-        raise ValueError(
-            f"tiles of {tile_m} x {tile_n} hold more than {MAX_CELLS} cells of {bq} x {bk} blocks: "
-            "take smaller tiles"
-        )
-    cq, ck = math.gcd(bq, tile_m), math.gcd(bk, tile_n)  # cell: the largest unit inside which nothing changes
-    rows, cols = -(-layout.seq_q // cq), -(-layout.seq_k // ck)
-    tiles_q, tiles_k = -(-layout.seq_q // tile_m), -(-layout.seq_k // tile_n)
-    per_q, per_k = tile_m // cq, tile_n // ck
+@dataclass(frozen=True)
+class _Grid:
+    """A layout's cells (the largest units inside which nothing changes, in tiles and blocks) and tiles."""
 
-    set_cells = _fine(layout.blocks, bq // cq, bk // ck, rows, cols)
-    full_cells = _fine(layout.full, bq // cq, bk // ck, rows, cols)
+    layout: BlockLayout
+    tile_m: int
+    tile_n: int
+
+    def __post_init__(self):
+        bq, bk = self.layout.block_size
+        if tile_cells(self.tile_m, self.tile_n, self.layout.block_size) > MAX_CELLS:
+            raise ValueError(
+                f"tiles of {self.tile_m} x {self.tile_n} hold more than {MAX_CELLS} cells of {bq} x {bk} "
+                "blocks: take smaller tiles"
+            )
+
+    @property
+    def cell(self) -> tuple[int, int]:
+        bq, bk = self.layout.block_size
+        return math.gcd(bq, self.tile_m), math.gcd(bk, self.tile_n)
+
+    @property
+    def rows(self) -> int:
+        return -(-self.layout.seq_q // self.cell[0])
+
+    @property
+    def tiles(self) -> tuple[int, int]:
+        return -(-self.layout.seq_q // self.tile_m), -(-self.layout.seq_k // self.tile_n)
+
+    @property
+    def per_tile(self) -> tuple[int, int]:
+        return self.tile_m // self.cell[0], self.tile_n // self.cell[1]
+
+    def cells(self, mask: np.ndarray) -> np.ndarray:
+        """A [B, H, blocks_q, blocks_k] mask of the layout's blocks on the cells."""
+        (bq, bk), (cq, ck) = self.layout.block_size, self.cell
+        return _fine(mask, bq // cq, bk // ck, self.rows, -(-self.layout.seq_k // ck))
+
+    def tiled(self, cells: np.ndarray) -> np.ndarray:
+        """Cells as [B, H, tiles_q, per_q, tiles_k, per_k] (padded with False)."""
+        nb, nh, rows, cols = cells.shape
+        (tiles_q, tiles_k), (per_q, per_k) = self.tiles, self.per_tile
+        pad = ((0, 0), (0, 0), (0, tiles_q * per_q - rows), (0, tiles_k * per_k - cols))
+        return np.pad(cells, pad).reshape(nb, nh, tiles_q, per_q, tiles_k, per_k)
+
+
+def visits(layout: BlockLayout, tile_m: int, tile_n: int) -> np.ndarray:
+    """How many key tiles each query tile visits: int [layout batch, layout heads, tiles_q] (a row of
+    `build`'s plan), for weighing tilings against each other without building their plans."""
+    grid = _Grid(layout, tile_m, tile_n)
+    return np.count_nonzero(grid.tiled(grid.cells(layout.blocks)).any(axis=(3, 5)), axis=3)
+
+
+def build(layout: BlockLayout, tile_m: int, tile_n: int) -> TilePlan:
+    grid = _Grid(layout, tile_m, tile_n)
+    (cq, ck), rows, (tiles_q, tiles_k), (per_q, per_k) = grid.cell, grid.rows, grid.tiles, grid.per_tile
+
+    set_cells = grid.cells(layout.blocks)
+    full_cells = grid.cells(layout.full)
     partial_cells = set_cells & ~full_cells
-    visited = _tiled(set_cells, tiles_q, per_q, tiles_k, per_k, False).any(axis=(3, 5))
+    visited = grid.tiled(set_cells).any(axis=(3, 5))
     # Rows past the sequence's end don't matter (nothing is written for them), so they pad as full.
-    full_padded = _tiled(full_cells, tiles_q, per_q, tiles_k, per_k, False)
+    full_padded = grid.tiled(full_cells)
     row_pad = np.arange(tiles_q * per_q).reshape(tiles_q, per_q) >= rows
     full_tile = (full_padded | row_pad[None, None, :, :, None, None]).all(axis=(3, 5))
     full_tile &= (np.arange(tiles_k) + 1) * tile_n <= layout.seq_k  # ends before the keys do
@@ -254,7 +304,7 @@ def build(layout: BlockLayout, tile_m: int, tile_n: int) -> TilePlan:
     weights = np.left_shift(np.uint64(1), np.arange(per_q * per_k, dtype=np.uint64))
     sub_bits = np.zeros((np.count_nonzero(partial), 2), dtype=np.uint64)
     for word, cell_mask in enumerate((set_cells, partial_cells)):
-        cells = _tiled(cell_mask, tiles_q, per_q, tiles_k, per_k, False)
+        cells = grid.tiled(cell_mask)
         sel = cells[b_i[partial], h_i[partial], tq_i[partial], :, tk_i[partial], :].reshape(-1, per_q * per_k)
         sub_bits[:, word] = (sel.astype(np.uint64) * weights).sum(axis=1, dtype=np.uint64)
 

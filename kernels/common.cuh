@@ -626,9 +626,13 @@ __device__ __forceinline__ void apply_mask(float (&s)[COLS / 8][4], unsigned lon
 
 // A partial tile's mask over a warp's 16 x COLS accumulator tile (rows are queries), in two halves around the
 // wait for the scores. The constructor runs before it: the loads and, where layout blocks or a bit table decide,
-// the bits (mask_bits). hide(s) runs once the scores have landed: it applies the bits or, where the rule alone
-// decides (rule_decides), evaluates the rule at each element as it selects it, which takes about half the
+// the bits (block_bits). hide(s) runs once the scores have landed: it applies the bits or, where the rule alone
+// decides the warp's rows, evaluates the rule at each element as it selects it, which takes about half the
 // instructions of gathering bits and applying them. Nothing for a full tile (pidx < 0).
+//
+// A warp's 16 rows lie in one row of the tile's cells (blocks are at least 16 long), so where the tile ends
+// before the keys do, the warp's part may be whole (no mask), empty (bits 0) or all rule though the tile is
+// not: a query tile of 192 rows over blocks of 128 is partial wherever it crosses a block's edge.
 template <int COLS>
 struct TileMask {
     int pidx;
@@ -639,9 +643,21 @@ struct TileMask {
         : pidx(pidx_) {
         if (pidx < 0) return;
         const ulonglong2 sub = sub_bits_of(p, pidx);
+#if RULE_MODE != RULE_BITS
+        if (k0 + TILE_N <= p.seq_k) {
+            const int shift = (row0 >> p.sub_q_shift) * p.sub_k_count;
+            const unsigned long long row = ((1ull << p.sub_k_count) - 1) << shift;
+            const unsigned long long set = sub.x & row, part = sub.y & row;
+            if (set == 0) return;
+            if (set == row && part == 0) {
+                pidx = -1;
+                return;
+            }
 #if RULE_MODE == RULE_EXPR
-        by_rule = rule_decides(p, sub, k0);
-        if (by_rule) return;
+            by_rule = set == row && part == row;
+            if (by_rule) return;
+#endif
+        }
 #endif
         bits = block_bits<false, COLS>(p, pidx, sub, b, h, q0, k0, row0, lane);
     }

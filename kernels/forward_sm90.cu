@@ -4,8 +4,8 @@
 // Persistent: one CTA per SM walks its part of the schedule (plan.work_order: every (batch element, query
 // head, query tile), dealt heaviest row first to the CTA that would be free first), entries blockIdx.x,
 // blockIdx.x + gridDim.x, ... up to a -1, each item's row read a step ahead (Walk). A producer warpgroup and
-// one consumer warpgroup for each 64 query rows: two, or three (build.DENSE_TILES) over a dense layout at
-// head dim 64, whose softmax takes as long as its products. The producer gives most of its registers to the
+// one consumer warpgroup for each 64 query rows: two, or three (build.WIDE_TILES) at head dim 64, whose
+// softmax takes as long as its products, where the host finds that they pay (cuda._wide_pays). The producer gives most of its registers to the
 // others; one of its threads copies each item's Q tile into a ring of two, then the K and V tiles that the
 // layout's row lists into two rings of STAGES buffers (hopper.cuh's Ring); the rings run on across items. K_i
 // is released once S_i has landed, a step before V_i, so the next K copy starts early, and Q once the row's

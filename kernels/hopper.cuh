@@ -273,7 +273,9 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
 // next on barrier 1 + (c + 1) % CONSUMERS: while one issues its products, the others run their softmax.
 __device__ __forceinline__ void take_turn(int consumer) { named_barrier(1 + consumer, 256); }
 __device__ __forceinline__ void pass_turn(int consumer) {
-    asm volatile("bar.arrive %0, 256;\n" ::"r"(1 + (consumer + 1) % CONSUMERS) : "memory");
+    // The next consumer's barrier, 1 + (consumer + 1) % CONSUMERS, as a select that is cheap enough to redo
+    // where it is needed rather than keep in a register.
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(consumer + 1 == CONSUMERS ? 1 : consumer + 2) : "memory");
 }
 
 // ---- sums in a fixed order across CTAs ----------------------------------------------------------------------

@@ -26,8 +26,10 @@ def random_layout(seq: int) -> BlockLayout:
 CASES = [
     ("dense fp16 d64", torch.float16, 64, 2, 256, patterns.dense(block=64)),
     ("causal bf16 d128 ragged", torch.bfloat16, 128, 1, 333, patterns.causal(block=128)),
-    # Three consumers at head dim 64 (build.DENSE_TILES): a dense layout that fills query tiles of 192 rows.
+    # "wide": three consumers at head dim 64, query tiles of 192 rows (build.WIDE_TILES), whose warps mask
+    # their own rows where a tile crosses the layout's blocks.
     ("dense bf16 d64 wide", torch.bfloat16, 64, 2, 384, patterns.dense(block=128)),
+    ("causal fp16 d64 wide ragged", torch.float16, 64, 1, 400, patterns.causal(block=128)),
     ("local bf16 d40 bshd", torch.bfloat16, 40, 2, 300, patterns.local(window=70, block=16)),
     ("random bits fp16 d256", torch.float16, 256, 4, 200, None),
     # The Hopper kernels' empty rows: a persistent CTA writes one while the row before it is still in flight.
@@ -39,6 +41,7 @@ def main() -> None:
     # Two SMs' worth of persistent CTAs: each walks many work items, reusing its buffers and barriers.
     cuda.sm_count = lambda device: 2
     for name, dtype, dim, group, seq, pattern in CASES:
+        cuda._wide_pays = lambda *args, wide="wide" in name: wide
         layout = random_layout(seq) if pattern is None else pattern.layout(seq)
         q = torch.randn(2, seq, 4, dim, device="cuda", dtype=dtype).transpose(1, 2)
         k, v = (torch.randn(2, 4 // group, seq, dim, device="cuda", dtype=dtype) for _ in "kv")

@@ -67,14 +67,17 @@ def test_bit_masks_and_score_mods_take_the_hopper_dq_pass_to_smaller_key_tiles()
     assert portable.tiles == build.tile_config("backward_dq", 64)  # the portable pass has room for them
 
 
-def test_dense_layouts_take_the_hopper_forwards_three_consumers_at_head_dim_64():
-    wide = build.DENSE_TILES["forward_sm90"][64]
-    assert wide == (192, 128, 16) and build.tile_config("forward_sm90", 64, dense=True) == wide
-    assert build.tile_config("forward_sm90", 64) == (128, 128, 12)  # any other layout
-    assert build.tile_config("forward_sm90", 64, score=True, dense=True) == (128, 128, 12)  # it would spill
-    assert build.tile_config("forward_sm90", 128, dense=True) == (128, 128, 12)
-    assert build.tile_config("forward", 64, dense=True) == build.tile_config("forward", 64)
-    assert any(s.name.startswith("forward_sm90_f16_d64_q192k128w16_none") for s in build.all_specs())
+def test_the_hopper_forward_may_take_three_consumers_at_head_dim_64():
+    wide = build.WIDE_TILES["forward_sm90"][64]
+    assert wide == (192, 128, 16) and build.tile_config("forward_sm90", 64, wide=True) == wide
+    assert build.tile_config("forward_sm90", 64) == (128, 128, 12)  # unless cuda._wide_pays asks
+    assert build.tile_config("forward_sm90", 64, score=True, wide=True) == (128, 128, 12)  # it would spill
+    assert build.tile_config("forward_sm90", 64, bits=True, wide=True) == (128, 128, 12)
+    assert build.tile_config("forward_sm90", 128, wide=True) == (128, 128, 12)
+    assert build.tile_config("forward", 64, wide=True) == build.tile_config("forward", 64)
+    names = [s.name for s in build.all_specs()]
+    assert any(n.startswith("forward_sm90_f16_d64_q192k128w16_none") for n in names)
+    assert any(n.startswith("forward_sm90_bf16_d64_q192k128w16_expr") for n in names)
 
 
 @pytest.mark.parametrize(

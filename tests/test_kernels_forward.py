@@ -127,20 +127,28 @@ def test_both_kernels_of_a_hopper_gpu(hopper, kind, head_dim, dtype, monkeypatch
     assert launched == ["forward_sm90" if hopper else "forward"]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("sms", [3, 132])
-def test_the_hopper_forward_takes_three_consumers_over_a_dense_layout_at_head_dim_64(sms, dtype, monkeypatch):
-    """192 query rows a tile (build.DENSE_TILES) where a dense layout's query length fills them: ragged keys,
-    GQA, a [B, S, H, D] view, and CTAs that walk many items in turn (sms=3) or one each."""
+@pytest.mark.parametrize(("seq_q", "seq_k"), [(384, 333), (400, 512)])
+@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("kind", ["dense", "causal", "local", "random", "random_rule"])
+def test_the_hopper_forward_takes_three_consumers_at_head_dim_64(kind, block, seq_q, seq_k, monkeypatch):
+    """192 query rows a tile (build.WIDE_TILES, taken here wherever they may run): tiles that cross the
+    layout's blocks, whose warps each mask their own rows (common.cuh's TileMask: whole, empty, by the rule
+    or by bits); ragged keys (333) or whole key tiles (512), padded query tiles (400), GQA, a [B, S, H, D]
+    view, CTAs that walk many items in turn (3 SMs) or one each. A layout's bit masks keep 128 rows."""
     from cusparseattn import cuda
 
     launched = hopper_path(monkeypatch, True)
-    monkeypatch.setattr(cuda, "sm_count", lambda device: sms)
-    rng = np.random.default_rng(sms)
-    q, k, v = random_qkv(rng, 2, 4, 2, 384, 333, 64, np_dtype(dtype), "bshd")
-    layout = patterns.dense(block=64).layout(384, 333)
+    monkeypatch.setattr(cuda, "_wide_pays", lambda *args: True)
+    seed = ["dense", "causal", "local", "random", "random_rule"].index(kind) * 8 + block // 64 + seq_q % 7
+    rng = np.random.default_rng(seed)
+    monkeypatch.setattr(cuda, "sm_count", lambda device: [3, 132][seed % 2])
+    dtype = DTYPES[seed // 2 % 2]
+    print(f"seed {seed}, {dtype}")
+    q, k, v = random_qkv(rng, 2, 4, 2, seq_q, seq_k, 64, np_dtype(dtype), "bshd")
+    layout = layout_for(kind, rng, 2, 4, seq_q, seq_k, block)
     assert_matches(q, k, v, layout, dtype)
-    assert launched == ["forward_sm90"] and list(cuda._tables[id(layout)]) == [(192, 128, 0)]
+    tile_m = 128 if kind == "random_rule" else 192
+    assert launched == ["forward_sm90"] and list(cuda._tables[id(layout)]) == [(tile_m, 128, 0)]
 
 
 @pytest.mark.parametrize("sms", [1, 5])

@@ -97,6 +97,8 @@ def test_random_layouts_survive_tiling(seq_q, seq_k, block, tiles, with_rule, se
         return
     p = assert_plan_exact(layout, *tiles)
     assert p.rule_mode == ("none" if with_rule == "none" or not layout.partial.any() else with_rule)
+    # The row lengths that tilings are weighed by, without a plan: the plan's rows.
+    assert (plan.visits(layout, *tiles) == np.diff(p.row_ptr).reshape(2, 2, p.tiles_q)).all()
 
 
 def test_patterns_survive_tiling():
@@ -166,6 +168,8 @@ def test_work_order_deals_every_row_once_heaviest_first_in_groups(
             if item >= 0:
                 start[int(item)] = (int(finish[c]), c)
                 finish[c] += cost[item]
+    # makespan: when the last CTA of the deal finishes, from the rows' lengths alone.
+    assert plan.makespan(blocks.sum(axis=3), batch, heads, ctas, group_items) == finish.max()
     dealt = sorted(start, key=start.get)  # ties as the deal broke them: the lower CTA first
     group = line[dealt] // -(-group_items // tiles_q)
     assert (np.diff(group) >= 0).all()
