@@ -180,7 +180,7 @@ PARAMS = np.dtype(
         ("q_origin", np.int64), ("k_origin", np.int64),
         ("score_ip", np.int64, (8,)), ("score_fp", np.float32, (8,)), ("score_a", np.uint64, (4,)),
         ("work", np.uint64), ("work_count", np.int32), ("rule_narrow", np.int32),
-        ("col_start", np.uint64), ("rank_ptr", np.uint64), ("ranks", np.uint64),
+        ("col_start", np.uint64), ("rank_ptr", np.uint64), ("ranks", np.uint64), ("dq_unordered", np.int32),
     ],
     align=True,
 )  # fmt: skip

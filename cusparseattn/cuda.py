@@ -307,6 +307,7 @@ _SIZES = _offset("seq_q")  # seq_q, seq_k, heads_q, group: four int32 in a row
 _SCALE = _offset("scale")
 _SCORE = slice(_offset("score_ip"), _offset("score_a") + 4 * 8)
 _WORK_COUNT = _offset("work_count")
+_DQ_UNORDERED = _offset("dq_unordered")
 MAP_BYTES = tma.TENSOR_MAP.itemsize  # a TMA descriptor, as a kernel argument
 
 
@@ -324,7 +325,9 @@ class _Pass:
     schedule on the device, by Params field (`DeviceTables.work`, `DeviceTables.columns`). `bind` makes its
     launches over arrays of given strides. A `build.PLAIN` kernel is built without the layout's rule."""
 
-    def __init__(self, kernel: str, grid, tables: DeviceTables, score, scale: float, tiles, work, q, k):
+    def __init__(
+        self, kernel: str, grid, tables: DeviceTables, score, scale: float, tiles, work, unordered, q, k
+    ):
         self.kernel, self.grid, self.tiles = kernel, grid, tiles
         rule = ("none", None) if kernel in build.PLAIN else (tables.plan.rule_mode, tables.rule_expr)
         spec_args = (kernel, q.dtype, q.shape[3], tiles, *rule)
@@ -341,6 +344,7 @@ class _Pass:
             for field, array in work.items():
                 struct.pack_into("<Q", buffer, _offset(field), array.data.ptr)
             struct.pack_into("<i", buffer, _WORK_COUNT, work["work"].size)
+        struct.pack_into("<i", buffer, _DQ_UNORDERED, unordered)
         self.params = bytes(buffer)
         self._bound: dict[tuple, _Bound] = {}  # by the arrays' strides (their shapes follow from q's, k's)
 
@@ -399,16 +403,19 @@ def _launch(kernel: int, grid, block, shared: int, stream: int, table) -> None:
     cupy.cuda.driver.launchKernel(kernel, *grid, *block, shared, stream, ctypes.addressof(table), 0)
 
 
-def _pass(kernel: str, grid, tables: DeviceTables, score, scale: float, tiles, work=None, *, q, k) -> _Pass:
+def _pass(
+    kernel: str, grid, tables: DeviceTables, score, scale: float, tiles, work=None, *, q, k, unordered=False
+) -> _Pass:
     """The pass of `kernel` over `tables` for these sizes, made once (with a score mod, once a call: its
-    tables must not outlive it in the layout's)."""
+    tables must not outlive it in the layout's). `unordered`: the fused backward's dQ adds in any order
+    (`Backward`)."""
     if score is not None:
-        return _Pass(kernel, grid, tables, score, scale, tiles, work, q, k)
+        return _Pass(kernel, grid, tables, score, scale, tiles, work, unordered, q, k)
     # The work list lives in the tables as long as they do: its id names it.
-    key = (kernel, grid, scale, tiles, id(work), q.dtype, q.shape, k.shape)
+    key = (kernel, grid, scale, tiles, id(work), unordered, q.dtype, q.shape, k.shape)
     made = tables.passes.get(key)
     if made is None:
-        made = tables.passes[key] = _Pass(kernel, grid, tables, None, scale, tiles, work, q, k)
+        made = tables.passes[key] = _Pass(kernel, grid, tables, None, scale, tiles, work, unordered, q, k)
     return made
 
 
@@ -561,7 +568,8 @@ def backward(
     (float32 scratch of `stats_shape(q.shape, device)`, from the first kernel to the later ones).
 
     Each gradient element is written once by one thread (no atomics), and the fused backward adds dQ's parts
-    in an order fixed per query tile: the results are bitwise reproducible.
+    in an order fixed per query tile: the results are bitwise reproducible (unless
+    CUSPARSEATTN_DETERMINISTIC=0, when the fused backward adds them as they come).
     """
     arrays = dict(dout=dout, out=out, lse=lse, dq=dq, dk=dk, dv=dv, stats=stats)
     Backward(q, k, v, layout, scale, score_mod=score_mod, **arrays).run(
@@ -632,8 +640,10 @@ class Backward:
 
     def _fused(self, q, k, layout: BlockLayout, score, scale: float) -> list:
         """The fused backward's passes: the statistics (and zeroed counters), the persistent pass over the
-        key tiles' columns, the rounding of dQ."""
+        key tiles' columns, the rounding of dQ. Under CUSPARSEATTN_DETERMINISTIC=0 the statistics pass zeroes
+        the dQ sums too, and the fused pass adds its parts in as they come."""
         batch, heads_q, _, head_dim = q.shape
+        unordered = not env.deterministic()
         tables, tiles = _tiled_tables("backward_sm90", layout, head_dim, self.device, score)
         items = batch * k.shape[1] * tables.plan.tiles_k
         ctas = min(items, sm_count(self.device))
@@ -643,11 +653,14 @@ class Backward:
 
         def plain(kernel: str, grid) -> tuple:
             edge_tiles = build.tile_config(kernel, head_dim)
-            return _pass(kernel, grid, tables, None, scale, edge_tiles, q=q, k=k), {}
+            return _pass(kernel, grid, tables, None, scale, edge_tiles, q=q, k=k, unordered=unordered), {}
 
+        fused = _pass(
+            "backward_sm90", (ctas, 1, 1), tables, score, scale, tiles, columns, q=q, k=k, unordered=unordered
+        )
         return [
             plain("backward_stats", (self.stats_shape[3] // tiles[0], heads_q, batch)),
-            (_pass("backward_sm90", (ctas, 1, 1), tables, score, scale, tiles, columns, q=q, k=k), rows),
+            (fused, rows),
             plain("backward_dq_convert", (tables.plan.tiles_q, heads_q, batch)),
         ]
 

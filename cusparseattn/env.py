@@ -6,6 +6,9 @@
 - ``CUSPARSEATTN_HOPPER=0``: run the portable (mma.sync) kernels on Hopper GPUs too, for comparison.
 - ``CUSPARSEATTN_FUSED_BACKWARD=0``: on Hopper GPUs, run the backward as the dQ and dK/dV passes, not as one
   fused pass (the default; the README gives their measured speeds).
+- ``CUSPARSEATTN_DETERMINISTIC=0``: let the fused Hopper backward add each query tile's parts of dQ in the
+  order they land (as FlashAttention's atomic adds do), not in an order fixed per query tile: faster at head
+  dim 64 (the README gives by how much), but dQ's last bits may differ from run to run.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ def hopper() -> bool:
 
 def fused_backward() -> bool:
     return _on_unless_off("FUSED_BACKWARD")
+
+
+def deterministic() -> bool:
+    return _on_unless_off("DETERMINISTIC")
 
 
 def verbose() -> bool:

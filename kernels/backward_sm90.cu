@@ -12,7 +12,8 @@
 //   head dim (128), or the consumers take the visits in turn (64). The share goes to a shared fp32 buffer.
 // - A thread of warp 1 adds those shares into the query tile's fp32 sum in the scratch by bulk TMA reductions,
 //   in the order the schedule ranks the adds into each query tile (ordered_reduce: one CTA at a time, so the
-//   same bits every run). backward_dq_convert.cu then scales the sums and rounds them to the element type.
+//   same bits every run), or as they come (p.dq_unordered). backward_dq_convert.cu then scales the sums and
+//   rounds them to the element type.
 // dK and dV are written once per item. Five products per visit, against seven for the dQ and dK/dV passes.
 #include "hopper.cuh"
 
@@ -120,7 +121,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 const int tile_q = add.line % p.tiles_q, b = add.line / p.tiles_q / p.heads_q;
                 const int h = add.line / p.tiles_q % p.heads_q;
                 ordered_reduce(dq_sum(p, b, h, tile_q), sh.dq_part[n % 2], sizeof(sh.dq_part[0]),
-                               dq_counters(p, b, h) + tile_q, add.rank);
+                               dq_counters(p, b, h) + tile_q, add.rank, !p.dq_unordered);
                 sh.part_empty[n % 2].arrive();
             }
         }

@@ -91,6 +91,7 @@ struct Params {
     const int* col_start;                       // fused backward (plan.column_schedule): per call column
     const long long* rank_ptr;                  // its first rank
     const int* ranks;                           // each visit's rank among its query tile's adds
+    int dq_unordered;                           // fused backward: its dQ adds in any order (cuda.py)
 };
 
 // The layout's (batch, head) line for batch b, query head h: a shared layout has one line for all of them.

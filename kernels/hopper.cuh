@@ -295,10 +295,17 @@ __device__ __forceinline__ void store_release(int* p, int v) {
 // to land, and sets the counter to rank + 1. Only one CTA writes the tile at a time, in rank order, so every
 // element sums in that order: the same bits every run. `part`'s generic stores must be fenced for the async
 // proxy (fence_stores_for_mma) by the threads that made them.
-__device__ __forceinline__ void ordered_reduce(float* tile, const float* part, unsigned bytes, int* counter, int rank) {
-    while (load_acquire(counter) != rank) __nanosleep(32);
-    asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the earlier adds, seen by this one
-    if (rank == 0) {
+// Not `ordered` (the tile zeroed before: CUSPARSEATTN_DETERMINISTIC=0), every part is added as soon as it
+// comes, as FlashAttention's atomic dQ adds are, and waited for only until it has been read; the L2 adds
+// each element atomically, in the order the parts land, and rank 0 sets the counter to 1 (the tile was
+// visited).
+__device__ __forceinline__ void ordered_reduce(float* tile, const float* part, unsigned bytes, int* counter, int rank,
+                                               bool ordered) {
+    if (ordered) {
+        while (load_acquire(counter) != rank) __nanosleep(32);
+        asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the earlier adds, seen by this one
+    }
+    if (ordered && rank == 0) {
         asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(tile),
                      "r"(smem_address(part)), "r"(bytes)
                      : "memory");
@@ -308,9 +315,14 @@ __device__ __forceinline__ void ordered_reduce(float* tile, const float* part, u
                      : "memory");
     }
     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-    asm volatile("fence.proxy.async.global;\n" ::: "memory");  // this add, before the counter says so
-    store_release(counter, rank + 1);
+    if (ordered) {
+        asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+        asm volatile("fence.proxy.async.global;\n" ::: "memory");  // this add, before the counter says so
+        store_release(counter, rank + 1);
+    } else {
+        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+        if (rank == 0) *counter = 1;
+    }
 }
 
 // ---- a key tile's column ------------------------------------------------------------------------------------

@@ -98,7 +98,9 @@ def launches(monkeypatch):
 
 def fieldwise(tables, score, scale, **arrays) -> bytes:
     """The parameter struct as NumPy fills it field by field: what the launch's packed bytes must equal."""
-    params = np.frombuffer(tables.params, build.PARAMS).copy()[0]
+    # A view of the bytes, not a copy: NumPy copies a struct field by field, and its padding would be garbage.
+    struct = np.frombuffer(bytearray(tables.params), build.PARAMS)
+    params = struct[0]
     names = {"out": ("o", "o"), "dout": ("dout", "do")}
     for name, holder in arrays.items():
         pointer, prefix = names.get(name, (name, name))
@@ -114,7 +116,7 @@ def fieldwise(tables, score, scale, **arrays) -> bytes:
         params["score_ip"][:] = np.frombuffer(score.fields[:64], np.int64)
         params["score_fp"][:] = np.frombuffer(score.fields[64:96], np.float32)
         params["score_a"][:] = np.frombuffer(score.fields[96:], np.uint64)
-    return params.tobytes()
+    return struct.tobytes()
 
 
 def test_forward_packs_every_field(launches):
@@ -194,7 +196,7 @@ def test_a_second_call_reuses_the_passes_and_packs_its_own_arrays(launches, monk
             kernel = name.split("_bf16")[0]
             tiles = build.tile_config(kernel, dim)
             tables = cuda.device_tables(layout, tiles[0], tiles[1], 0)
-            packed = np.frombuffer(args[0].tobytes(), build.PARAMS)[0].copy()
+            packed = np.frombuffer(bytearray(args[0].tobytes()), build.PARAMS)[0]
             packed["work"], packed["work_count"] = 0, 0  # the forward's schedule: test_hopper_gpus_run...
             assert packed.tobytes() == fieldwise(tables, None, 0.25, **arrays), name
     # One pass each, made in the first call, bound once to arrays laid out as these (addresses apart).
@@ -353,6 +355,13 @@ def test_the_fused_backward_launches_three_passes_over_a_larger_scratch(launches
     for field in ("work", "col_start", "rank_ptr", "ranks"):
         assert args[0][field] == columns[field].data.ptr, field
     assert args[0]["work_count"] == columns["work"].size
+    assert [launch[3][0]["dq_unordered"] for launch in launches] == [0, 0, 0]  # adds in the ranks' order
+    # CUSPARSEATTN_DETERMINISTIC=0: the statistics pass zeroes the sums, the fused pass adds as it goes.
+    launches.clear()
+    monkeypatch.setenv("CUSPARSEATTN_DETERMINISTIC", "0")
+    cuda.backward(*(held[n] for n in names), layout, 0.1)
+    assert [launch[3][0]["dq_unordered"] for launch in launches] == [1, 1, 1]
+    monkeypatch.delenv("CUSPARSEATTN_DETERMINISTIC")
     # A scratch made under CUSPARSEATTN_FUSED_BACKWARD=0 is too short for the fused pass: refused before any
     # launch.
     launches.clear()
