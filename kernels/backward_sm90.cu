@@ -166,21 +166,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             // dS^T's 64 keys become this consumer's panel of dS; both halves are in before either reads them.
             store_transposed<TILE_M>(ds_frag, sh.ds[buf] + consumer * TILE_M * 64);
             fence_stores_for_mma();
-            named_barrier(DS_BAR, CONSUMERS * 128);
+            // dV's product needs this consumer's P^T alone: it runs while the other half of dS comes.
             issue_PB<TILE_M>(dv, p_frag, sh.dout[slot]);
-            issue_PB<TILE_M>(dk, ds_frag, sh.q[slot]);
+            named_barrier(DS_BAR, CONSUMERS * 128);
             // dQ's share: head-dim columns [dq_col, dq_col + 64), by this consumer on this visit or not at all.
+            // It is issued before dK's product, and goes out to the adding thread while that one runs.
             const bool mine = HEAD_DIM == 2 * DQ_N || (n & 1) == consumer;
             const int dq_col = HEAD_DIM == 2 * DQ_N ? consumer * DQ_N : 0;
             if (mine) issue_AB<DQ_N, TILE_N, TILE_N>(dq, sh.ds[buf], sh.k + dq_col * TILE_N);
-            wgmma_wait<0>();
-            fence_operands(dv);
-            fence_operands(dk);
-            fence_operands(dq);
-            fence_operands(p_frag);
-            fence_operands(ds_frag);
-            sh.q_ring.release(n);
+            issue_PB<TILE_M>(dk, ds_frag, sh.q[slot]);
             sh.part_empty[buf].wait(((n / 2) & 1) ^ 1);
+            wgmma_wait<1>();
+            fence_operands(dq);
             if (mine) {
                 float* part = sh.dq_part[buf];
 #pragma unroll
@@ -194,6 +191,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 fence_stores_for_mma();  // for the bulk reduction that reads them
             }
             sh.part_full[buf].arrive();
+            wgmma_wait<0>();
+            fence_operands(dv);
+            fence_operands(dk);
+            fence_operands(p_frag);
+            fence_operands(ds_frag);
+            sh.q_ring.release(n);
         }
         sh.kv_empty.arrive();
         const int hk = visits.hk, row0 = k_tile0 + keys + warp * 16;
