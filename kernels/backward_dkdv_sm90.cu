@@ -105,8 +105,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         const float* lse2 = sh.stats[n % STAGES][STAT_LSE2];
         const float* delta = sh.stats[n % STAGES][STAT_DELTA];
         wgmma_wait_behind<2>(behind);
-        fence_operands(st);
-        fence_operands(dpt);
+        fence_operands(st, dpt);
         transposed_scores_to_ds<TILE_M>(p, st, dpt, lse2, delta, e.y >= 0, keep, scale_log2, b, h,
                                         TilePos<true>(p, q0, k_tile0, keys + warp * 16, lane), t);
     };
@@ -121,10 +120,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     // Waits for dV and dK of use n and hands its ring slot back; the fragments are free again.
     auto finish_gradients_of = [&](int n) {
         wgmma_wait<0>();
-        fence_operands(dv);
-        fence_operands(dk);
-        fence_operands(p_frag);
-        fence_operands(ds_frag);
+        fence_operands(dv, dk, p_frag, ds_frag);
         sh.q_ring.release(n);
     };
 

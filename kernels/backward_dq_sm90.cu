@@ -85,8 +85,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         const unsigned long long keep =
             mask_bits<false, TILE_N>(p, e.y, b, h, q_tile0, k0, rows + warp * 16, lane);
         wgmma_wait_behind(behind);
-        fence_operands(s);
-        fence_operands(dp);
+        fence_operands(s, dp);
         sh.v_ring.release(i);
         apply_score_mod<false, TILE_N>(
             p, s, dp, [&](int, int j) { return delta[j >> 1]; }, b, h,
@@ -97,8 +96,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     // Waits for dQ += dS_i K_i and hands K_i's buffer back; ds is free again.
     auto finish_dq_of = [&](int i) {
         wgmma_wait<0>();
-        fence_operands(dq);
-        fence_operands(ds);
+        fence_operands(dq, ds);
         sh.k_ring.release(i);
     };
 

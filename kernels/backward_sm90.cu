@@ -157,8 +157,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             const float* lse2 = sh.stats[slot][STAT_LSE2];
             const float* delta = sh.stats[slot][STAT_DELTA];
             wgmma_wait<0>();
-            fence_operands(st);
-            fence_operands(dpt);
+            fence_operands(st, dpt);
             transposed_scores_to_ds<TILE_M>(p, st, dpt, lse2, delta, e.y >= 0, keep, scale_log2, b, h,
                                             TilePos<true>(p, q0, k_tile0, keys + warp * 16, lane), t);
             to_a_fragments<TILE_M>(st, p_frag);
@@ -192,10 +191,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             }
             sh.part_full[buf].arrive();
             wgmma_wait<0>();
-            fence_operands(dv);
-            fence_operands(dk);
-            fence_operands(p_frag);
-            fence_operands(ds_frag);
+            fence_operands(dv, dk, p_frag, ds_frag);
             sh.q_ring.release(n);
         }
         sh.kv_empty.arrive();

@@ -97,8 +97,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     };
     // Once O += P V of `use` has landed: hands V's buffer back to the producer; pa is free again.
     auto finish_output_of = [&](int use) {
-        fence_operands(o);
-        fence_operands(pa);
+        fence_operands(o, pa);
         sh.v_ring.release(use);
     };
 

@@ -171,7 +171,7 @@ __device__ __forceinline__ void wgmma_wait_behind(bool behind) {
 }
 
 // Keeps the compiler from touching an MMA's registers while it is in flight: after the wait, they count as
-// read and written here (accumulators), or as live until here (A fragments).
+// read and written here (accumulators), or as live until here (A fragments). Takes several at once.
 template <int N>
 __device__ __forceinline__ void fence_operands(float (&x)[N][4]) {
 #pragma unroll
@@ -185,6 +185,11 @@ __device__ __forceinline__ void fence_operands(unsigned (&x)[N][4]) {
     for (int i = 0; i < N; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(x[i][j])::"memory");
+}
+template <class A, class B, class... Rest>
+__device__ __forceinline__ void fence_operands(A& a, B& b, Rest&... rest) {
+    fence_operands(a);
+    fence_operands(b, rest...);
 }
 
 // ---- tile products ----------------------------------------------------------------------------------------
