@@ -312,9 +312,9 @@ _SCALES = (type(None), float, int)
 def _signature(q, k, v, layout, causal, scale, backend, score_mod, backward) -> tuple | None:
     """The key of what validation and backend choice read from a call: the arguments, each tensor's shape,
     strides, dtype, device and address mod 16, the backends enabled here and the switches that choose kernels
-    (the Hopper kernels, the fused backward). None for a call that cannot be keyed: a score mod or a mask
-    function (what they capture may change between calls), tensor subclasses, arguments that validation will
-    refuse."""
+    (the Hopper kernels, the fused backward, the order of its dQ adds). None for a call that cannot be keyed:
+    a score mod or a mask function (what they capture may change between calls), tensor subclasses, arguments
+    that validation will refuse."""
     if score_mod is not None or type(causal) is not bool or type(scale) not in _SCALES:
         return None
     if not (layout is None or isinstance(layout, (BlockLayout, Pattern))):
@@ -323,7 +323,7 @@ def _signature(q, k, v, layout, causal, scale, backend, score_mod, backward) -> 
         return None
     if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
         return None
-    switches = (env.hopper(), env.fused_backward())
+    switches = (env.hopper(), env.fused_backward(), env.deterministic())
     arguments = (id(layout), causal, scale, backend, backward, backends.state(), switches)
     return arguments + _descriptions((q, k, v))
 

@@ -251,7 +251,8 @@ def test_repeated_eager_calls_validate_and_prepare_once(preparing, monkeypatch):
         ca_torch.attention(q, k, v, layout)
         ca_torch.attention(q, k, v, layout)
     assert preparing.prepared["forward"] == len(changes) + 2
-    for count, switch in enumerate(("CUSPARSEATTN_HOPPER", "CUSPARSEATTN_FUSED_BACKWARD"), start=3):
+    switches = ("CUSPARSEATTN_HOPPER", "CUSPARSEATTN_FUSED_BACKWARD", "CUSPARSEATTN_DETERMINISTIC")
+    for count, switch in enumerate(switches, start=3):
         monkeypatch.setenv(switch, "0")
         ca_torch.attention(q, k, v, layout, backend="preparing")
         assert preparing.prepared["forward"] == len(changes) + count
