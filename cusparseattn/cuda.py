@@ -427,12 +427,16 @@ def _tiled_tables(
     return device_tables(layout, tiles[0], tiles[1], device), tiles
 
 
-def _wide_pays(kernel: str, layout: BlockLayout, head_dim: int, batch: int, heads: int, device: int) -> bool:
-    """Whether the persistent `kernel`'s wide tiles (build.WIDE_TILES) would finish this call sooner than its
-    default ones: the makespans of their schedules (plan.makespan, as `Forward` deals them), a wide tile
-    weighted by build.WIDE_TILE_COST. Tiles that hold too many of the layout's cells never pay."""
-    wide = build.WIDE_TILES.get(kernel, {}).get(head_dim)
-    if wide is None or plan.tile_cells(*wide[:2], layout.block_size) > plan.MAX_CELLS:
+def _wide_pays(
+    kernel: str, layout: BlockLayout, head_dim: int, batch: int, heads: int, device: int, score=None
+) -> bool:
+    """Whether the persistent `kernel`'s wide tiles (build.WIDE_TILES), where `build.tile_config` allows them
+    (not with a score mod or bit masks), would finish this call sooner than its default ones: the makespans
+    of their schedules (plan.makespan, as `Forward` deals them), a wide tile weighted by
+    build.WIDE_TILE_COST. Tiles that hold too many of the layout's cells never pay."""
+    choice = (kernel, head_dim, max_shared(device), score is not None, plan.rule_mode(layout) == "bits")
+    narrow, wide = build.tile_config(*choice), build.tile_config(*choice, wide=True)
+    if wide == narrow or plan.tile_cells(*wide[:2], layout.block_size) > plan.MAX_CELLS:
         return False
     sms = sm_count(device)
 
@@ -440,7 +444,7 @@ def _wide_pays(kernel: str, layout: BlockLayout, head_dim: int, batch: int, head
         counts = plan.visits(layout, *tiles[:2])
         return plan.makespan(counts, batch, heads, min(batch * heads * counts.shape[2], sms), 2 * sms)
 
-    return build.WIDE_TILE_COST * span(wide) < span(build.tile_config(kernel, head_dim, max_shared(device)))
+    return build.WIDE_TILE_COST * span(wide) < span(narrow)
 
 
 # The arrays a Hopper backward pass copies by TMA, in the order of its descriptor arguments.
@@ -515,7 +519,7 @@ class Forward:
         with cupy.cuda.Device(device), _stream(q.stream):
             _bind(device)
             score = score_tables(score_mod, device)
-            wide = score is None and _wide_pays(kernel, layout, q.shape[3], batch, heads_q, device)
+            wide = _wide_pays(kernel, layout, q.shape[3], batch, heads_q, device, score)
             tables, tiles = _tiled_tables(kernel, layout, q.shape[3], device, score, tiles, wide)
             rows, work = {}, None
             if kernel == "forward_sm90":  # persistent: one CTA per SM walks its part of the schedule

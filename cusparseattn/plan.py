@@ -78,8 +78,9 @@ def work_order(
 def makespan(counts: np.ndarray, batch: int, heads: int, ctas: int, group_items: int = 1) -> int:
     """When the last CTA of `work_order`'s deal would finish, in key tiles (an item's count plus ITEM_COST),
     for `counts` [layout batch, layout heads, tiles_q], the key tiles each row visits (`visits`)."""
+    line = counts.shape[2]
     counts = _per_call(counts, batch, heads)
-    start = _deal(counts, counts.size // (batch * heads), group_items, ctas)[1]
+    start = _deal(counts, line, group_items, ctas)[1]
     return int((start + counts + ITEM_COST).max())
 
 

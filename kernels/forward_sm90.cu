@@ -5,17 +5,18 @@
 // head, query tile), dealt heaviest row first to the CTA that would be free first), entries blockIdx.x,
 // blockIdx.x + gridDim.x, ... up to a -1, each item's row read a step ahead (Walk). A producer warpgroup and
 // one consumer warpgroup for each 64 query rows: two, or three (build.WIDE_TILES) at head dim 64, whose
-// softmax takes as long as its products, where the host finds that they pay (cuda._wide_pays). The producer gives most of its registers to the
-// others; one of its threads copies each item's Q tile into a ring of two, then the K and V tiles that the
-// layout's row lists into two rings of STAGES buffers (hopper.cuh's Ring); the rings run on across items. K_i
-// is released once S_i has landed, a step before V_i, so the next K copy starts early, and Q once the row's
-// last S has landed; the next item's Q is copied while this one runs. Each consumer warpgroup owns 64 query
-// rows: S = Q K^T from shared memory, then the mask, score mod and online softmax of the mma.sync kernel (a
-// warp holds its accumulators alike), then O += P V with P from registers, overlapped with the next tile's
-// softmax. The consumers take turns to issue their products, so that one's softmax overlaps the others'
-// matrix products. Items run on into each other: a row's last O += P V is issued with the next row's first S,
-// and the row is written out while that S is in flight, so that short rows (narrow windows, S = 4096) keep
-// the tensor cores busy. Writes out [B, Hq, Sq, D] and lse [B, Hq, Sq] as forward.cu does.
+// softmax takes as long as its products, where the host finds that they pay (cuda._wide_pays). The producer
+// gives most of its registers to the others; one of its threads copies each item's Q tile into a ring of two,
+// then the K and V tiles that the layout's row lists into two rings of STAGES buffers (hopper.cuh's Ring); the
+// rings run on across items. K_i is released once S_i has landed, a step before V_i, so the next K copy starts
+// early, and Q once the row's last S has landed; the next item's Q is copied while this one runs. Each
+// consumer warpgroup owns 64 query rows: S = Q K^T from shared memory, then the mask, score mod and online
+// softmax of the mma.sync kernel (a warp holds its accumulators alike), then O += P V with P from registers,
+// overlapped with the next tile's softmax. The consumers take turns to issue their products, so that one's
+// softmax overlaps the others' matrix products. Items run on into each other: a row's last O += P V is issued
+// with the next row's first S, and the row is written out while that S is in flight, so that short rows
+// (narrow windows, S = 4096) keep the tensor cores busy. Writes out [B, Hq, Sq, D] and lse [B, Hq, Sq] as
+// forward.cu does.
 #include "hopper.cuh"
 
 using namespace csa;

@@ -18,7 +18,7 @@
 namespace csa {
 
 // Every Hopper pass: one producer warpgroup and consumer warpgroups of 64 rows (queries, or keys in the dK/dV
-// pass): two, or three in the forward over a dense layout at head dim 64 (the builder's NWARPS); rings of
+// pass): two, or three in the forward's wide tiles at head dim 64 (the builder's NWARPS); rings of
 // STAGES buffers (the builder's HOPPER_STAGES), tiles of whole 64-element panels.
 constexpr int THREADS = NWARPS * 32;
 constexpr int CONSUMERS = NWARPS / 4 - 1;
