@@ -151,6 +151,13 @@ __device__ __forceinline__ unsigned long long smem_desc(const void* p, unsigned 
            1ull << 62;  // 128-byte swizzle
 }
 
+// The descriptor of the element `elements` on from the one `desc` describes (in the same tile). Only the start
+// address, in the low word, moves: a product's steps take one add each to a descriptor worked out once.
+__device__ __forceinline__ unsigned long long desc_plus(unsigned long long desc, int elements) {
+    const unsigned low = static_cast<unsigned>(desc) + elements * static_cast<unsigned>(sizeof(elem_t)) / 16;
+    return desc >> 32 << 32 | low;
+}
+
 // Orders this thread's register accesses before the warpgroup MMAs that follow (accumulators rescaled, A
 // fragments written).
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -197,12 +204,13 @@ __device__ __forceinline__ void fence_operands(A& a, B& b, Rest&... rest) {
 // N-row shared tile; both K-major. Issued as one group and left in flight (wgmma_wait, then fence_operands).
 template <int N, int A_ROWS>
 __device__ __forceinline__ void issue_ABt(float (&acc)[N / 8][4], const elem_t* a, const elem_t* b) {
+    const unsigned long long da = smem_desc(a), db = smem_desc(b);
     wgmma_fence();
 #pragma unroll
     for (int kd = 0; kd < HEAD_DIM / 16; ++kd) {
         // Panel kd / 4; inside it, 16 elements (32 bytes) per step along the swizzled row.
         const int panel = kd / 4, col = (kd % 4) * 16;
-        wgmma_ss<N>(acc, smem_desc(a + panel * A_ROWS * 64 + col), smem_desc(b + panel * N * 64 + col), kd > 0);
+        wgmma_ss<N>(acc, desc_plus(da, panel * A_ROWS * 64 + col), desc_plus(db, panel * N * 64 + col), kd > 0);
     }
     wgmma_commit();
 }
@@ -212,9 +220,10 @@ __device__ __forceinline__ void issue_ABt(float (&acc)[N / 8][4], const elem_t* 
 template <int K>
 __device__ __forceinline__ void issue_PB(float (&acc)[HEAD_DIM / 8][4], const unsigned (&pa)[K / 16][4],
                                          const elem_t* b) {
+    const unsigned long long db = smem_desc(b, K * 128);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) wgmma_rs<HEAD_DIM>(acc, pa[kk], smem_desc(b + kk * 16 * 64, K * 128));
+    for (int kk = 0; kk < K / 16; ++kk) wgmma_rs<HEAD_DIM>(acc, pa[kk], desc_plus(db, kk * 16 * 64));
     wgmma_commit();
 }
 
@@ -259,11 +268,12 @@ __device__ __forceinline__ void fence_stores_for_mma() { asm volatile("fence.pro
 // HEAD_DIM of them). Issued as one group and left in flight.
 template <int N, int K, int B_ROWS>
 __device__ __forceinline__ void issue_AB(float (&acc)[N / 8][4], const elem_t* a, const elem_t* b) {
+    const unsigned long long da = smem_desc(a), db = smem_desc(b, B_ROWS * 128);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
         const int panel = kk / 4, col = (kk % 4) * 16;
-        wgmma_ss_bmn<N>(acc, smem_desc(a + panel * 64 * 64 + col), smem_desc(b + kk * 16 * 64, B_ROWS * 128), kk > 0);
+        wgmma_ss_bmn<N>(acc, desc_plus(da, panel * 64 * 64 + col), desc_plus(db, kk * 16 * 64), kk > 0);
     }
     wgmma_commit();
 }
