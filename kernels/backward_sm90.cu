@@ -10,9 +10,11 @@
 //   dV += P^T dO and dK += dS^T Q (as backward_dkdv_sm90.cu does), and dS^T stored transposed as its half of
 //   a shared dS tile. Then the visit's share of dQ, dS K over the tile's keys: each consumer takes half the
 //   head dim (128), or the consumers take the visits in turn (64). The share goes to a shared fp32 buffer.
-// - A thread of warp 1 adds those shares into the query tile's fp32 sum in the scratch by bulk TMA reductions,
-//   in the order the schedule ranks the adds into each query tile (ordered_reduce: one CTA at a time, so the
-//   same bits every run), or as they come (p.dq_unordered). backward_dq_convert.cu then scales the sums and
+// - Two adding threads (warps 1 and 2 of the producer, the even and the odd visits) add those shares into the
+//   query tile's fp32 sum in the scratch by bulk TMA reductions, in the order the schedule ranks the adds into
+//   each query tile (ordered_reduce: one CTA at a time, so the same bits every run), or as they come
+//   (p.dq_unordered). An ordered add waits for its reduction to land before the next add may start: two
+//   adders keep two in flight, to different query tiles. backward_dq_convert.cu then scales the sums and
 //   rounds them to the element type.
 // dK and dV are written once per item. Five products per visit, against seven for the dQ and dK/dV passes.
 #include "hopper.cuh"
@@ -29,15 +31,16 @@ constexpr int DS_BAR = 3;  // a named barrier of the consumers (1 and 2 are thei
 // The head-dim columns of dQ that a consumer's product covers, 64 either way.
 constexpr int DQ_N = 64;
 
-// What the adding thread needs of a visit, which the loading thread works out as it issues the visit's copies,
-// so that the adding thread keeps no walk of its own. line < 0: no more visits.
+// What an adding thread needs of a visit, which the loading thread works out as it issues the visit's copies,
+// so that the adding threads keep no walk of their own. line < 0: no more visits.
 struct DqAdd {
     int line;  // (b * heads_q + h) * tiles_q + query tile: where its sum and counter are (dq_sum)
     int rank;
 };
 // The loading thread runs at most STAGES visits ahead of the consumers, which run at most two ahead of the
-// adding thread: a ring of 8 is never overwritten while read.
-constexpr int ADDS = 8;
+// adding threads; the loading thread ends with one line < 0 for each: a ring of 8 is never overwritten while
+// read.
+constexpr int ADDS = 8, ADDERS = 2;
 // setmaxnreg moves registers within the CTA's allocation, 168 a thread (65536 / 384 down to a multiple of 8):
 // claims past it wait forever. The loading thread walks the schedule and works out the adds, which spill
 // at 24 registers; the consumers fit 232.
@@ -52,9 +55,9 @@ struct alignas(1024) Shared {
     elem_t ds[2][TILE_M * TILE_N];         // dS of a visit: [key panel][query][64 keys], swizzled
     float dq_part[2][TILE_M * HEAD_DIM];  // the visit's share of dQ, as dq_sum lays it out
     float stats[STAGES][2][TILE_M];       // lse * log2(e) and delta of the visit's rows
-    DqAdd adds[ADDS];                     // the adding thread's work, visit by visit
+    DqAdd adds[ADDS];                     // the adding threads' work, visit by visit
     Barrier kv_full, kv_empty;            // K and V of an item; released by every consumer thread
-    Barrier part_full[2], part_empty[2];  // dq_part: written by the consumers, added by the adding thread
+    Barrier part_full[2], part_empty[2];  // dq_part: written by the consumers, added by an adding thread
     Barrier add_full[ADDS];               // adds[i]: written
     Ring<STAGES> q_ring;                  // Q, dO and their statistics
 };
@@ -110,10 +113,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                     bulk_load(sh.stats[slot][STAT_DELTA], stat_row(p, b, h, STAT_DELTA) + q0, STAT_BYTES, full);
                 }
             }
-            sh.adds[n % ADDS].line = -1;
-            sh.add_full[n % ADDS].arrive();
-        } else if (threadIdx.x == 32) {
-            for (int n = 0;; ++n) {
+            for (int a = 0; a < ADDERS; ++a, ++n) {
+                sh.adds[n % ADDS].line = -1;
+                sh.add_full[n % ADDS].arrive();
+            }
+        } else if (threadIdx.x == 32 || threadIdx.x == 64) {
+            for (int n = threadIdx.x / 32 - 1;; n += ADDERS) {
                 sh.add_full[n % ADDS].wait((n / ADDS) & 1);
                 const DqAdd add = sh.adds[n % ADDS];
                 if (add.line < 0) break;
@@ -169,7 +174,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             issue_PB<TILE_M>(dv, p_frag, sh.dout[slot]);
             named_barrier(DS_BAR, CONSUMERS * 128);
             // dQ's share: head-dim columns [dq_col, dq_col + 64), by this consumer on this visit or not at all.
-            // It is issued before dK's product, and goes out to the adding thread while that one runs.
+            // It is issued before dK's product, and goes out to its adding thread while that one runs.
             const bool mine = HEAD_DIM == 2 * DQ_N || (n & 1) == consumer;
             const int dq_col = HEAD_DIM == 2 * DQ_N ? consumer * DQ_N : 0;
             if (mine) issue_AB<DQ_N, TILE_N, TILE_N>(dq, sh.ds[buf], sh.k + dq_col * TILE_N);
