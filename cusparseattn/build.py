@@ -109,13 +109,13 @@ def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int
             "backward_dkdv_sm90": 2 * head_dim * (2 * tn + 2 * stages * tm)
             + stages * 2 * 4 * tm
             + barrier * (1 + 2 * stages),
-            # as the dK/dV pass's, and two dS tiles, two fp32 dQ shares, eight 8-byte DqAdds; barriers: K and
-            # V full and empty, the shares' full and empty, the DqAdds', the ring's
+            # as the dK/dV pass's, and two dS tiles, two fp32 dQ shares, eight 16-byte Visits; barriers: K
+            # and V full and empty, the shares' full and empty, the Visits', the ring's
             "backward_sm90": 2 * head_dim * (2 * tn + 2 * stages * tm)
             + 2 * 2 * tm * tn
             + 2 * 4 * tm * head_dim
             + stages * 2 * 4 * tm
-            + 8 * 8
+            + 8 * 16
             + barrier * (2 + 4 + 8 + 2 * stages),
         }[kernel]
         return -(-payload // 1024) * 1024 + 1024

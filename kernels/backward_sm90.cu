@@ -31,16 +31,18 @@ constexpr int DS_BAR = 3;  // a named barrier of the consumers (1 and 2 are thei
 // The head-dim columns of dQ that a consumer's product covers, 64 either way.
 constexpr int DQ_N = 64;
 
-// What an adding thread needs of a visit, which the loading thread works out as it issues the visit's copies,
-// so that the adding threads keep no walk of their own. line < 0: no more visits.
-struct DqAdd {
+// A visit as the loading thread works it out when it issues the visit's copies: the adding threads keep no
+// walk of their own, and the consumers read its entry from shared memory (from global memory, it stalled the
+// issue of their products: each ordered add's acquire invalidates the SM's L1). line < 0: no more visits.
+struct Visit {
     int line;  // (b * heads_q + h) * tiles_q + query tile: where its sum and counter are (dq_sum)
     int rank;
+    int2 entry;  // its layout entry: query tile, mask
 };
 // The loading thread runs at most STAGES visits ahead of the consumers, which run at most two ahead of the
 // adding threads; the loading thread ends with one line < 0 for each: a ring of 8 is never overwritten while
 // read.
-constexpr int ADDS = 8, ADDERS = 2;
+constexpr int VISITS = 8, ADDERS = 2;
 // setmaxnreg moves registers within the CTA's allocation, 168 a thread (65536 / 384 down to a multiple of 8):
 // claims past it wait forever. The loading thread walks the schedule and works out the adds, which spill
 // at 24 registers; the consumers fit 232.
@@ -55,10 +57,10 @@ struct alignas(1024) Shared {
     elem_t ds[2][TILE_M * TILE_N];         // dS of a visit: [key panel][query][64 keys], swizzled
     float dq_part[2][TILE_M * HEAD_DIM];  // the visit's share of dQ, as dq_sum lays it out
     float stats[STAGES][2][TILE_M];       // lse * log2(e) and delta of the visit's rows
-    DqAdd adds[ADDS];                     // the adding threads' work, visit by visit
+    Visit visit[VISITS];                  // the visits ahead, for the consumers and the adding threads
     Barrier kv_full, kv_empty;            // K and V of an item; released by every consumer thread
     Barrier part_full[2], part_empty[2];  // dq_part: written by the consumers, added by an adding thread
-    Barrier add_full[ADDS];               // adds[i]: written
+    Barrier visit_full[VISITS];           // visit[i]: written
     Ring<STAGES> q_ring;                  // Q, dO and their statistics
 };
 static_assert(sizeof(Shared) + 1024 == SHARED_BYTES, "the builder launches with the kernel's shared memory size");
@@ -83,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             sh.part_full[s].init(CONSUMERS * 128);
             sh.part_empty[s].init(1);
         }
-        for (int s = 0; s < ADDS; ++s) sh.add_full[s].init(1);
+        for (int s = 0; s < VISITS; ++s) sh.visit_full[s].init(1);
         sh.q_ring.init(CONSUMERS * 128);
         fence_barrier_init();
     }
@@ -101,10 +103,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 tma_load_tile(sh.k, k_map, sh.kv_full, visits.tile_k * TILE_N, visits.hk, visits.b);
                 tma_load_tile(sh.v, v_map, sh.kv_full, visits.tile_k * TILE_N, visits.hk, visits.b);
                 for (; !visits.done(); visits.next(), ++n) {
-                    const int tile_q = visits.entry().x, q0 = tile_q * TILE_M, h = visits.h(), b = visits.b;
-                    const int line = (b * p.heads_q + h) * p.tiles_q + tile_q;
-                    sh.adds[n % ADDS] = {line, visits.rank()};
-                    sh.add_full[n % ADDS].arrive();
+                    const int2 e = visits.entry();
+                    const int q0 = e.x * TILE_M, h = visits.h(), b = visits.b;
+                    sh.visit[n % VISITS] = {(b * p.heads_q + h) * p.tiles_q + e.x, visits.rank(), e};
+                    sh.visit_full[n % VISITS].arrive();
                     const int slot = n % STAGES;
                     Barrier& full = sh.q_ring.fill(n, 2 * Q_BYTES + 2 * STAT_BYTES);
                     tma_load_tile(sh.q[slot], q_map, full, q0, h, b);
@@ -114,13 +116,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 }
             }
             for (int a = 0; a < ADDERS; ++a, ++n) {
-                sh.adds[n % ADDS].line = -1;
-                sh.add_full[n % ADDS].arrive();
+                sh.visit[n % VISITS].line = -1;
+                sh.visit_full[n % VISITS].arrive();
             }
         } else if (threadIdx.x == 32 || threadIdx.x == 64) {
             for (int n = threadIdx.x / 32 - 1;; n += ADDERS) {
-                sh.add_full[n % ADDS].wait((n / ADDS) & 1);
-                const DqAdd add = sh.adds[n % ADDS];
+                sh.visit_full[n % VISITS].wait((n / VISITS) & 1);
+                const Visit add = sh.visit[n % VISITS];
                 if (add.line < 0) break;
                 sh.part_full[n % 2].wait((n / 2) & 1);
                 const int tile_q = add.line % p.tiles_q, b = add.line / p.tiles_q / p.heads_q;
@@ -151,7 +153,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         zero(dv);
         sh.kv_full.wait(items & 1);
         for (; !visits.done(); visits.next(), ++n) {
-            const int2 e = visits.entry();
+            sh.visit_full[n % VISITS].wait((n / VISITS) & 1);
+            const int2 e = sh.visit[n % VISITS].entry;
             const int h = visits.h(), q0 = e.x * TILE_M, slot = n % STAGES, buf = n % 2;
             sh.q_ring.wait(n);
             issue_ABt<TILE_M, TILE_N>(st, sh.k + keys * 64, sh.q[slot]);

@@ -301,6 +301,11 @@ __device__ __forceinline__ int load_acquire(const int* p) {
     asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
     return v;
 }
+__device__ __forceinline__ int load_relaxed(const int* p) {
+    int v;
+    asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
 __device__ __forceinline__ void store_release(int* p, int v) {
     asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
@@ -317,7 +322,9 @@ __device__ __forceinline__ void store_release(int* p, int v) {
 __device__ __forceinline__ void ordered_reduce(float* tile, const float* part, unsigned bytes, int* counter, int rank,
                                                bool ordered) {
     if (ordered) {
-        while (load_acquire(counter) != rank) __nanosleep(32);
+        // Polled relaxed, then acquired once: an acquiring load invalidates the SM's L1 (CCTL.IVALL) each time.
+        while (load_relaxed(counter) != rank) __nanosleep(32);
+        load_acquire(counter);
         asm volatile("fence.proxy.async.global;\n" ::: "memory");  // the earlier adds, seen by this one
     }
     if (ordered && rank == 0) {

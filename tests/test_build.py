@@ -177,7 +177,7 @@ def test_hopper_shared_memory_is_the_kernels_struct_plus_alignment():
     # all), 7 barriers, padded to 1 KiB, and 1 KiB to align.
     assert build.shared_bytes("backward_dkdv_sm90", 128, (64, 128, 12)) == 5 * 32768 + 2048 + 1024
     # Fused: K and V, two stages of Q and dO, two dS tiles (64 x 128), two fp32 dQ shares (64 x 128), 1 KiB
-    # of statistics, 64 bytes of DqAdds and 18 barriers: padded, the most an H100 block may have.
+    # of statistics, 128 bytes of Visits and 18 barriers: padded, the most an H100 block may have.
     assert build.shared_bytes("backward_sm90", 128, (64, 128, 12)) == 227 * 1024
     for kernel in HOPPER:
         for head_dim in build.HOPPER_HEAD_DIMS:
