@@ -12,7 +12,7 @@
 //   head dim (128), or the consumers take the visits in turn (64). The share goes to a shared fp32 buffer.
 // - Two adding threads (warps 1 and 2 of the producer, the even and the odd visits) add those shares into the
 //   query tile's fp32 sum in the scratch by bulk TMA reductions, in the order the schedule ranks the adds into
-//   each query tile (ordered_reduce: one CTA at a time, so the same bits every run), or as they come
+//   each query tile (add_share: one CTA at a time, so the same bits every run), or as they come
 //   (p.dq_unordered). An ordered add waits for its reduction to land before the next add may start: two
 //   adders keep two in flight, to different query tiles. backward_dq_convert.cu then scales the sums and
 //   rounds them to the element type.
@@ -33,9 +33,9 @@ constexpr int DQ_N = 64;
 
 // A visit as the loading thread works it out when it issues the visit's copies: the adding threads keep no
 // walk of their own, and the consumers read its entry from shared memory (from global memory, it stalled the
-// issue of their products: each ordered add's acquire invalidates the SM's L1). line < 0: no more visits.
+// issue of their products: each ordered add's acquire invalidates the SM's L1). head < 0: no more visits.
 struct Visit {
-    int line;  // (b * heads_q + h) * tiles_q + query tile: where its sum and counter are (dq_sum)
+    int head;  // b * heads_q + h: with the entry's query tile, where its sum and counter are (dq_sum)
     int rank;
     int2 entry;  // its layout entry: query tile, mask
 };
@@ -43,6 +43,9 @@ struct Visit {
 // adding threads; the loading thread ends with one line < 0 for each: a ring of 8 is never overwritten while
 // read.
 constexpr int VISITS = 8, ADDERS = 2;
+// Adding thread a (lane 0 of the producer's warp a + 1) takes visits a, a + ADDERS, ...: each owns one of the
+// two dQ share buffers (n % 2), whose barriers it waits on in phase order.
+static_assert(ADDERS == 2, "one adding thread per dQ share buffer");
 // setmaxnreg moves registers within the CTA's allocation, 168 a thread (65536 / 384 down to a multiple of 8):
 // claims past it wait forever. The loading thread walks the schedule and works out the adds, which spill
 // at 24 registers; the consumers fit 232.
@@ -105,7 +108,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 for (; !visits.done(); visits.next(), ++n) {
                     const int2 e = visits.entry();
                     const int q0 = e.x * TILE_M, h = visits.h(), b = visits.b;
-                    sh.visit[n % VISITS] = {(b * p.heads_q + h) * p.tiles_q + e.x, visits.rank(), e};
+                    sh.visit[n % VISITS] = {b * p.heads_q + h, visits.rank(), e};
                     sh.visit_full[n % VISITS].arrive();
                     const int slot = n % STAGES;
                     Barrier& full = sh.q_ring.fill(n, 2 * Q_BYTES + 2 * STAT_BYTES);
@@ -116,19 +119,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 }
             }
             for (int a = 0; a < ADDERS; ++a, ++n) {
-                sh.visit[n % VISITS].line = -1;
+                sh.visit[n % VISITS].head = -1;
                 sh.visit_full[n % VISITS].arrive();
             }
-        } else if (threadIdx.x == 32 || threadIdx.x == 64) {
+        } else if (threadIdx.x % 32 == 0 && threadIdx.x / 32 <= ADDERS) {
             for (int n = threadIdx.x / 32 - 1;; n += ADDERS) {
                 sh.visit_full[n % VISITS].wait((n / VISITS) & 1);
                 const Visit add = sh.visit[n % VISITS];
-                if (add.line < 0) break;
+                if (add.head < 0) break;
                 sh.part_full[n % 2].wait((n / 2) & 1);
-                const int tile_q = add.line % p.tiles_q, b = add.line / p.tiles_q / p.heads_q;
-                const int h = add.line / p.tiles_q % p.heads_q;
-                ordered_reduce(dq_sum(p, b, h, tile_q), sh.dq_part[n % 2], sizeof(sh.dq_part[0]),
-                               dq_counters(p, b, h) + tile_q, add.rank, !p.dq_unordered);
+                const int b = add.head / p.heads_q, h = add.head % p.heads_q, tile_q = add.entry.x;
+                add_share(dq_sum(p, b, h, tile_q), sh.dq_part[n % 2], sizeof(sh.dq_part[0]),
+                          dq_counters(p, b, h) + tile_q, add.rank, !p.dq_unordered);
                 sh.part_empty[n % 2].arrive();
             }
         }

@@ -319,8 +319,8 @@ __device__ __forceinline__ void store_release(int* p, int v) {
 // comes, as FlashAttention's atomic dQ adds are, and waited for only until it has been read; the L2 adds
 // each element atomically, in the order the parts land, and rank 0 sets the counter to 1 (the tile was
 // visited).
-__device__ __forceinline__ void ordered_reduce(float* tile, const float* part, unsigned bytes, int* counter, int rank,
-                                               bool ordered) {
+__device__ __forceinline__ void add_share(float* tile, const float* part, unsigned bytes, int* counter, int rank,
+                                          bool ordered) {
     if (ordered) {
         // Polled relaxed, then acquired once: an acquiring load invalidates the SM's L1 (CCTL.IVALL) each time.
         while (load_relaxed(counter) != rank) __nanosleep(32);

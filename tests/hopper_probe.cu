@@ -2,7 +2,7 @@
 // failure of a Hopper kernel can be pinned on one of them (tests/test_hopper_probe.py): the TMA copy (the
 // raw, swizzled shared tile of K), S = Q K^T (wgmma from shared memory), O = P V (wgmma with P from
 // registers, V read MN-major), and the dQ product's pieces: X^T = K Q^T stored transposed (stmatrix) as a
-// K-major tile X, then X K with K read MN-major; and, in csa_probe_ordered_reduce, the ordered sum of
+// K-major tile X, then X K with K read MN-major; and, in csa_probe_add_share, the ordered sum of
 // several CTAs' parts. The test prepends a backward_dkdv_sm90 prelude (its wgmma widths include 64) and hopper.cuh.
 using namespace csa;
 
@@ -76,12 +76,12 @@ extern "C" __global__ void __launch_bounds__(128)
 }
 
 // CTA c adds parts[c] (64 x 64 floats) into tile at rank ranks[c], through shared memory as the fused
-// backward's dQ adds go. counter starts at 0.
+// backward's dQ adds go, in rank order or (ordered = 0, tile zeroed) as they come. counter starts at 0.
 extern "C" __global__ void __launch_bounds__(128)
-    csa_probe_ordered_reduce(const float* parts, const int* ranks, float* tile, int* counter) {
+    csa_probe_add_share(const float* parts, const int* ranks, float* tile, int* counter, int ordered) {
     __shared__ __align__(128) float part[64 * 64];
     for (int i = threadIdx.x; i < 64 * 64; i += 128) part[i] = parts[blockIdx.x * 64 * 64 + i];
     fence_stores_for_mma();
     __syncthreads();
-    if (threadIdx.x == 0) ordered_reduce(tile, part, sizeof(part), counter, ranks[blockIdx.x]);
+    if (threadIdx.x == 0) add_share(tile, part, sizeof(part), counter, ranks[blockIdx.x], ordered);
 }

@@ -88,11 +88,13 @@ def test_tma_and_both_warpgroup_products(dtype, head_dim):
     assert np.all(np.abs(to_host(xk_out) - xk) <= bound), "X K (shared K-major A, MN-major B)"
 
 
-def test_ordered_reduce_sums_in_rank_order_to_the_bit():
-    """Eight CTAs add their parts into one tile, each at its rank (not in launch order): the tile holds the
-    float32 sum in rank order, bit for bit, every run."""
+@pytest.mark.parametrize("ordered", [True, False])
+def test_add_share_sums_in_rank_order_to_the_bit(ordered):
+    """Eight CTAs add their parts into one tile, each at its rank (not in launch order): ordered, the tile
+    holds the float32 sum in rank order, bit for bit, every run, and the counter counts the adds; unordered
+    (the tile zeroed), the sum in some order, and the counter says the tile was visited."""
     torch = _torch()
-    function = _module("bfloat16", 64).get_function("csa_probe_ordered_reduce")
+    function = _module("bfloat16", 64).get_function("csa_probe_add_share")
     rng = np.random.default_rng(0)
     scales = 10.0 ** rng.integers(-3, 4, (8, 1, 1))
     parts = (rng.standard_normal((8, 64, 64)) * scales).astype(np.float32)
@@ -101,9 +103,13 @@ def test_ordered_reduce_sums_in_rank_order_to_the_bit():
     for c in np.argsort(ranks):
         want = want + parts[c]  # float32, in rank order
     for _ in range(3):
-        tile = torch.full((64, 64), float("nan"), device="cuda")
+        tile = torch.full((64, 64), float("nan") if ordered else 0.0, device="cuda")
         counter = torch.zeros(1, dtype=torch.int32, device="cuda")
         args = (torch.from_numpy(parts).cuda(), torch.from_numpy(ranks).cuda(), tile, counter)
-        function((8,), (128,), tuple(t.data_ptr() for t in args))
+        function((8,), (128,), (*(t.data_ptr() for t in args), np.int32(ordered)))
         torch.cuda.synchronize()
-        assert np.array_equal(to_host(tile), want) and counter.item() == 8
+        if ordered:
+            assert np.array_equal(to_host(tile), want) and counter.item() == 8
+        else:
+            bound = 1e-6 * np.abs(parts).sum(axis=0)
+            assert np.all(np.abs(to_host(tile) - want) <= bound) and counter.item() == 1
