@@ -90,6 +90,13 @@ WIDE_TILE_COST = 1.38
 MAX_TILE_N = {"backward_dq": {"score": 64}, "backward_dq_sm90": {"bits": 64, "score": 64}}
 
 
+def fused_kv_buffers(head_dim: int) -> int:
+    """The fused backward's buffers of K and V (its KV_BUFFERS): two at head dim 64, so that an item's
+    copies, and its first visits' Q and dO behind them, start while the item before runs (short columns,
+    local1024, wait for them otherwise); at 128 its shared memory holds one."""
+    return 2 if head_dim <= 64 else 1
+
+
 def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int:
     """The dynamic shared memory of one pass (each kernel static_asserts the same figure)."""
     tm, tn, _ = tiles
@@ -109,14 +116,15 @@ def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int
             "backward_dkdv_sm90": 2 * head_dim * (2 * tn + 2 * stages * tm)
             + stages * 2 * 4 * tm
             + barrier * (1 + 2 * stages),
-            # as the dK/dV pass's, and two dS tiles, two fp32 dQ shares, eight 16-byte Visits; barriers: K
-            # and V full and empty, the shares' full and empty, the Visits', the ring's
-            "backward_sm90": 2 * head_dim * (2 * tn + 2 * stages * tm)
+            # as the dK/dV pass's (K and V fused_kv_buffers times), and two dS tiles, two fp32 dQ shares,
+            # eight 16-byte Visits; barriers: K and V full and empty, the shares' full and empty, the Visits',
+            # the ring's
+            "backward_sm90": 2 * head_dim * (2 * fused_kv_buffers(head_dim) * tn + 2 * stages * tm)
             + 2 * 2 * tm * tn
             + 2 * 4 * tm * head_dim
             + stages * 2 * 4 * tm
             + 8 * 16
-            + barrier * (2 + 4 + 8 + 2 * stages),
+            + barrier * (2 * fused_kv_buffers(head_dim) + 4 + 8 + 2 * stages),
         }[kernel]
         return -(-payload // 1024) * 1024 + 1024
     if kernel == "backward_dq":  # Q and dO, two stages of K and V
@@ -285,6 +293,8 @@ class KernelSpec:
             lines.append(f"#define CSA_SCORE_GRAD(s, b, h, q, k) ({self.score[1]})")
         if self.arch is not None:
             lines.append(f"#define STAGES {HOPPER_STAGES[self.kernel]}")
+            if self.kernel == "backward_sm90":
+                lines.append(f"#define KV_BUFFERS {fused_kv_buffers(self.padded_head_dim)}")
             types = {"float16": "f16.f16", "bfloat16": "bf16.bf16"}[self.dtype]
             lines += _wgmma_functions(sorted({tm, tn, self.padded_head_dim}), types)
         return "\n".join(lines) + "\n"

@@ -52,16 +52,18 @@ static_assert(ADDERS == 2, "one adding thread per dQ share buffer");
 constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
 static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= 3 * 168, "the register file holds the claims");
 
+// KV_BUFFERS (the builder's, 2 where shared memory holds them): the item after next's K and V may be copied
+// while an item runs, and the Q and dO of its first visits behind them.
 struct alignas(1024) Shared {
-    elem_t k[TILE_N * HEAD_DIM];
-    elem_t v[TILE_N * HEAD_DIM];
+    elem_t k[KV_BUFFERS][TILE_N * HEAD_DIM];
+    elem_t v[KV_BUFFERS][TILE_N * HEAD_DIM];
     elem_t q[STAGES][TILE_M * HEAD_DIM];
     elem_t dout[STAGES][TILE_M * HEAD_DIM];
     elem_t ds[2][TILE_M * TILE_N];         // dS of a visit: [key panel][query][64 keys], swizzled
     float dq_part[2][TILE_M * HEAD_DIM];  // the visit's share of dQ, as dq_sum lays it out
     float stats[STAGES][2][TILE_M];       // lse * log2(e) and delta of the visit's rows
     Visit visit[VISITS];                  // the visits ahead, for the consumers and the adding threads
-    Barrier kv_full, kv_empty;            // K and V of an item; released by every consumer thread
+    Barrier kv_full[KV_BUFFERS], kv_empty[KV_BUFFERS];  // K and V of an item; released by every consumer thread
     Barrier part_full[2], part_empty[2];  // dq_part: written by the consumers, added by an adding thread
     Barrier visit_full[VISITS];           // visit[i]: written
     Ring<STAGES> q_ring;                  // Q, dO and their statistics
@@ -82,8 +84,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     const int warpgroup = threadIdx.x / 128;
 
     if (threadIdx.x == 0) {
-        sh.kv_full.init(1);
-        sh.kv_empty.init(CONSUMERS * 128);
+        for (int s = 0; s < KV_BUFFERS; ++s) {
+            sh.kv_full[s].init(1);
+            sh.kv_empty[s].init(CONSUMERS * 128);
+        }
         for (int s = 0; s < 2; ++s) {
             sh.part_full[s].init(CONSUMERS * 128);
             sh.part_empty[s].init(1);
@@ -101,10 +105,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             for (int w = blockIdx.x, items = 0;; w += gridDim.x, ++items) {
                 ColumnWalk<true> visits(p, item_at(p, w));
                 if (visits.b < 0) break;
-                sh.kv_empty.wait((items & 1) ^ 1);  // the last item's consumers are done with K and V
-                sh.kv_full.expect_bytes(2 * KV_BYTES);
-                tma_load_tile(sh.k, k_map, sh.kv_full, visits.tile_k * TILE_N, visits.hk, visits.b);
-                tma_load_tile(sh.v, v_map, sh.kv_full, visits.tile_k * TILE_N, visits.hk, visits.b);
+                // The consumers are done with the buffer's last item.
+                const int kv = items % KV_BUFFERS;
+                sh.kv_empty[kv].wait(((items / KV_BUFFERS) & 1) ^ 1);
+                sh.kv_full[kv].expect_bytes(2 * KV_BYTES);
+                tma_load_tile(sh.k[kv], k_map, sh.kv_full[kv], visits.tile_k * TILE_N, visits.hk, visits.b);
+                tma_load_tile(sh.v[kv], v_map, sh.kv_full[kv], visits.tile_k * TILE_N, visits.hk, visits.b);
                 for (; !visits.done(); visits.next(), ++n) {
                     const int2 e = visits.entry();
                     const int q0 = e.x * TILE_M, h = visits.h(), b = visits.b;
@@ -153,14 +159,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         const int b = visits.b, k_tile0 = visits.tile_k * TILE_N;
         zero(dk);
         zero(dv);
-        sh.kv_full.wait(items & 1);
+        const int kv = items % KV_BUFFERS;
+        const elem_t* k_tile = sh.k[kv];
+        sh.kv_full[kv].wait((items / KV_BUFFERS) & 1);
         for (; !visits.done(); visits.next(), ++n) {
             sh.visit_full[n % VISITS].wait((n / VISITS) & 1);
             const int2 e = sh.visit[n % VISITS].entry;
             const int h = visits.h(), q0 = e.x * TILE_M, slot = n % STAGES, buf = n % 2;
             sh.q_ring.wait(n);
-            issue_ABt<TILE_M, TILE_N>(st, sh.k + keys * 64, sh.q[slot]);
-            issue_ABt<TILE_M, TILE_N>(dpt, sh.v + keys * 64, sh.dout[slot]);
+            issue_ABt<TILE_M, TILE_N>(st, k_tile + keys * 64, sh.q[slot]);
+            issue_ABt<TILE_M, TILE_N>(dpt, sh.v[kv] + keys * 64, sh.dout[slot]);
             // The partial tile's mask is worked out while the tensor cores run.
             const unsigned long long keep =
                 mask_bits<true, TILE_M>(p, e.y, b, h, q0, k_tile0, keys + warp * 16, lane);
@@ -182,7 +190,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             // It is issued before dK's product, and goes out to its adding thread while that one runs.
             const bool mine = HEAD_DIM == 2 * DQ_N || (n & 1) == consumer;
             const int dq_col = HEAD_DIM == 2 * DQ_N ? consumer * DQ_N : 0;
-            if (mine) issue_AB<DQ_N, TILE_N, TILE_N>(dq, sh.ds[buf], sh.k + dq_col * TILE_N);
+            if (mine) issue_AB<DQ_N, TILE_N, TILE_N>(dq, sh.ds[buf], k_tile + dq_col * TILE_N);
             issue_PB<TILE_M>(dk, ds_frag, sh.q[slot]);
             sh.part_empty[buf].wait(((n / 2) & 1) ^ 1);
             wgmma_wait<1>();
@@ -204,7 +212,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             fence_operands(dv, dk, p_frag, ds_frag);
             sh.q_ring.release(n);
         }
-        sh.kv_empty.arrive();
+        sh.kv_empty[kv].arrive();
         const int hk = visits.hk, row0 = k_tile0 + keys + warp * 16;
         const float one[2] = {1.f, 1.f}, scale[2] = {p.scale, p.scale};
         store_rows<HEAD_DIM>(dv, one, p.dv + b * p.dv_sb + hk * p.dv_sh, p.dv_ss, row0, p.seq_k, 0, lane);
