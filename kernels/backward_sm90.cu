@@ -39,10 +39,11 @@ struct Visit {
     int rank;
     int2 entry;  // its layout entry: query tile, mask
 };
-// The loading thread runs at most STAGES visits ahead of the consumers, which run at most two ahead of the
-// adding threads; the loading thread ends with one line < 0 for each: a ring of 8 is never overwritten while
-// read.
+// The loading thread writes visit n once the consumers have released visit n - 1 - STAGES, and a consumer
+// releases visit m once the add of m - 2 has landed; the loading thread ends with one head < 0 for each adding
+// thread: a ring of STAGES + 5 is never overwritten while read.
 constexpr int VISITS = 8, ADDERS = 2;
+static_assert(VISITS >= STAGES + 5, "the ring of visits holds those not yet read");
 // Adding thread a (lane 0 of the producer's warp a + 1) takes visits a, a + ADDERS, ...: each owns one of the
 // two dQ share buffers (n % 2), whose barriers it waits on in phase order.
 static_assert(ADDERS == 2, "one adding thread per dQ share buffer");
