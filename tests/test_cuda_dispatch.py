@@ -351,7 +351,8 @@ def test_the_fused_backward_launches_three_passes_over_a_larger_scratch(launches
     assert grid == (5, 1, 1) and shared == build.shared_bytes("backward_sm90", head_dim, (64, 128, 12))
     assert [m[2][1] for m in maps] == [64, 128, 128, 64]  # q, k, v, dout
     (tables,) = (t for key, t in cuda._tables[id(layout)].items() if key[:2] == (64, 128))
-    columns = tables.columns(2, 4, 2, 5, 2 * 5)  # 2 x 2 kv heads x 3 key tiles: 12 items on 5 CTAs
+    # 2 x 2 kv heads x 3 key tiles: 12 items on 5 CTAs, dealt in groups of four items per SM
+    columns = tables.columns(2, 4, 2, 5, 4 * 5)
     for field in ("work", "col_start", "rank_ptr", "ranks"):
         assert args[0][field] == columns[field].data.ptr, field
     assert args[0]["work_count"] == columns["work"].size
