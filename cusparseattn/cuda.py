@@ -427,6 +427,14 @@ def _tiled_tables(
     return device_tables(layout, tiles[0], tiles[1], device), tiles
 
 
+# Items per SM to a group of a persistent pass's deal (plan.work_order, plan.column_schedule). The forward:
+# the rows in flight at once come from a few heads. The fused backward deals four: the columns of more heads
+# are dealt longest first together, and an ordered add waits less for the one ranked before it. H100 S16384
+# fwd+bwd against two, 4 rounds: causal D64/D128 x1.07/x1.04, strided8 x0.97 both, local1024 and dense within
+# noise (a deal of equal columns is the same either way); eight: causal x1.08/x1.06, strided8 x0.97/x0.98.
+_FORWARD_GROUP, _FUSED_BACKWARD_GROUP = 2, 4
+
+
 def _wide_pays(
     kernel: str, layout: BlockLayout, head_dim: int, batch: int, heads: int, device: int, score=None
 ) -> bool:
@@ -442,7 +450,8 @@ def _wide_pays(
 
     def span(tiles) -> int:
         counts = plan.visits(layout, *tiles[:2])
-        return plan.makespan(counts, batch, heads, min(batch * heads * counts.shape[2], sms), 2 * sms)
+        ctas = min(batch * heads * counts.shape[2], sms)
+        return plan.makespan(counts, batch, heads, ctas, _FORWARD_GROUP * sms)
 
     return build.WIDE_TILE_COST * span(wide) < span(narrow)
 
@@ -524,8 +533,7 @@ class Forward:
             rows, work = {}, None
             if kernel == "forward_sm90":  # persistent: one CTA per SM walks its part of the schedule
                 ctas = min(batch * heads_q * tables.plan.tiles_q, sm_count(device))
-                # Two items per SM to a group: the rows in flight at once come from a few heads.
-                work = tables.work(batch, heads_q, ctas, 2 * sm_count(device))
+                work = tables.work(batch, heads_q, ctas, _FORWARD_GROUP * sm_count(device))
                 grid = (ctas, 1, 1)
                 rows = _tma_rows(tiles, ("q", "k", "v"))
             else:
@@ -651,12 +659,8 @@ class Backward:
         tables, tiles = _tiled_tables("backward_sm90", layout, head_dim, self.device, score)
         items = batch * k.shape[1] * tables.plan.tiles_k
         ctas = min(items, sm_count(self.device))
-        # Four items per SM to a group (the forward deals two): the columns of more heads are dealt longest
-        # first together, and an ordered add waits less for the one ranked before it. H100 S16384 fwd+bwd
-        # against two, 4 rounds: causal D64/D128 x1.07/x1.04, strided8 x0.97 both, local1024 and dense within
-        # noise (a deal of equal columns is the same either way); eight: causal x1.08/x1.06, strided8
-        # x0.97/x0.98.
-        columns = tables.columns(batch, heads_q, heads_q // k.shape[1], ctas, 4 * sm_count(self.device))
+        group_items = _FUSED_BACKWARD_GROUP * sm_count(self.device)
+        columns = tables.columns(batch, heads_q, heads_q // k.shape[1], ctas, group_items)
         rows = _tma_rows(tiles, _BACKWARD_MAPS)
 
         def plain(kernel: str, grid) -> tuple:
