@@ -76,15 +76,25 @@ HOPPER_HEAD_DIMS = (64, 128)
 HOPPER_STAGES = {"forward_sm90": 2, "backward_dq_sm90": 2, "backward_dkdv_sm90": 3, "backward_sm90": 2}
 ARCH = dict.fromkeys(HOPPER_STAGES, "sm_90a")
 KERNELS = tuple(TILES)
-# Wider tiles that a pass may take over a layout (cuda.py weighs them against its default tiles): the forward
-# at head dim 64 with three consumers (192 query rows), as FlashAttention-3/4, whose softmax is as long as its
-# products, which two consumers cannot both hide. WIDE_TILE_COST: a wide tile's time against a default one's,
-# fitted on an H100 (bf16, B = 2, H = 16, against 128 rows): dense S = 16384 ran x1.07-1.10, 192 rows in 1.38
-# times the time. Where the query length pads to 192 rows (dense S = 4096: x0.95) or a row visits more keys
-# than it needs (local1024: x0.91-0.94), they lose; causal ran x1.02-1.06, strided8 x0.97-1.02. Not with a
-# score mod (160 registers a consumer spill with its arithmetic) nor with a layout's bit masks.
-WIDE_TILES = {"forward_sm90": {64: (192, 128, 16)}}
-WIDE_TILE_COST = 1.38
+# Wider tiles that a pass may take over a layout (cuda.py weighs them against its default tiles), for each
+# head dim: the forward at 64 with three consumers (192 query rows), as FlashAttention-3/4, whose softmax is
+# as long as its products, which two consumers cannot both hide; at 128 with key tiles of 192
+# (FlashAttention-3 takes 176), fewer steps of fixed cost (waits, turns, the row maxima's shuffles, the
+# output's rescale) for the same products. WIDE_TILE_COST: a wide tile's time against a default one's,
+# fitted on an H100 (bf16, B = 2, H = 16, forward). At 64 (against 128 rows): dense S = 16384 ran
+# x1.07-1.10, 192 rows in 1.38 times the time; where the query length pads to 192 rows (dense S = 4096:
+# x0.95) or a row visits more keys than it needs (local1024: x0.91-0.94), they lose; causal ran x1.02-1.06,
+# strided8 x0.97-1.02. At 128 (against 128 keys): dense S = 16384 x1.04-1.06, 192 keys in 1.44 times the
+# time; dense S = 4096 x1.01, causal S = 16384 x0.96-1.03, S = 4096 x0.90. Not with a score mod (it spills:
+# 160 registers a consumer of three, and beside 192 columns of scores at 128) nor with a layout's bit masks.
+WIDE_TILES = {"forward_sm90": {64: (192, 128, 16), 128: (128, 192, 12)}}
+WIDE_TILE_COST = {64: 1.38, 128: 1.44}
+# What a partial wide tile (one that crosses the layout's blocks, or its rule) costs more than a full one,
+# in full tiles: fitted on the same H100 runs with every layout on wide tiles (dense, causal, local1024,
+# strided8 at S = 4096 and 16384). At 64: 0.1-0.3. At 128: 0.7-1.3 (local1024 ran x0.62-0.69 and strided8
+# x0.44-0.61 of 128 x 128; causal 0.2-1.0): key tiles of 192 cross blocks of 128 in two of every three
+# tiles, and with one Q buffer a short row waits for its Q.
+WIDE_PARTIAL_COST = {64: 0.2, 128: 1.0}
 # The dQ passes keep more beside the scores and dO V^T with a score mod (its derivative's arithmetic) or with
 # a layout's bit masks (their words): key tiles of 128 then spill at head dim 64, so they take the next tiles.
 MAX_TILE_N = {"backward_dq": {"score": 64}, "backward_dq_sm90": {"bits": 64, "score": 64}}
@@ -97,6 +107,13 @@ def fused_kv_buffers(head_dim: int) -> int:
     return 2 if head_dim <= 64 else 1
 
 
+def forward_q_buffers(head_dim: int, tiles: tuple[int, int, int]) -> int:
+    """The Hopper forward's Q buffers (its Q_BUFFERS): two, so that the next item's Q is copied while this one
+    runs (short rows, a narrow window, notice); one beside key tiles of 192 at head dim 128, where the rings
+    of K and V take 192 of the 227 KiB."""
+    return 1 if head_dim > 64 and tiles[1] > 128 else 2
+
+
 def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int:
     """The dynamic shared memory of one pass (each kernel static_asserts the same figure)."""
     tm, tn, _ = tiles
@@ -107,9 +124,11 @@ def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int
         return row * (tm + 2 * 2 * tn)
     if kernel in ARCH:  # the kernel's Shared struct (1024-aligned), and 1024 bytes to align it
         stages, barrier = HOPPER_STAGES[kernel], 8  # an mbarrier is 8 bytes
+        q_buffers = forward_q_buffers(head_dim, tiles)
         payload = {
-            # two Q buffers; stages of K and V; full/empty barriers for each buffer of the three rings
-            "forward_sm90": 2 * head_dim * (2 * tm + 2 * stages * tn) + barrier * (4 + 4 * stages),
+            # Q buffers; stages of K and V; full/empty barriers for each buffer of the three rings
+            "forward_sm90": 2 * head_dim * (q_buffers * tm + 2 * stages * tn)
+            + barrier * 2 * (q_buffers + 2 * stages),
             # Q and dO; stages of K and V; barriers as the forward's
             "backward_dq_sm90": 2 * head_dim * (2 * tm + 2 * stages * tn) + barrier * (1 + 4 * stages),
             # K and V; stages of Q, dO and their two fp32 statistics; a barrier for K and V and the ring's
@@ -295,6 +314,8 @@ class KernelSpec:
             lines.append(f"#define STAGES {HOPPER_STAGES[self.kernel]}")
             if self.kernel == "backward_sm90":
                 lines.append(f"#define KV_BUFFERS {fused_kv_buffers(self.padded_head_dim)}")
+            if self.kernel == "forward_sm90":
+                lines.append(f"#define Q_BUFFERS {forward_q_buffers(self.padded_head_dim, self.tiles)}")
             types = {"float16": "f16.f16", "bfloat16": "bf16.bf16"}[self.dtype]
             lines += _wgmma_functions(sorted({tm, tn, self.padded_head_dim}), types)
         return "\n".join(lines) + "\n"

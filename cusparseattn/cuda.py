@@ -441,19 +441,20 @@ def _wide_pays(
     """Whether the persistent `kernel`'s wide tiles (build.WIDE_TILES), where `build.tile_config` allows them
     (not with a score mod or bit masks), would finish this call sooner than its default ones: the makespans
     of their schedules (plan.makespan, as `Forward` deals them), a wide tile weighted by
-    build.WIDE_TILE_COST. Tiles that hold too many of the layout's cells never pay."""
+    build.WIDE_TILE_COST and a partial one by build.WIDE_PARTIAL_COST more. Tiles that hold too many of the
+    layout's cells never pay."""
     choice = (kernel, head_dim, max_shared(device), score is not None, plan.rule_mode(layout) == "bits")
     narrow, wide = build.tile_config(*choice), build.tile_config(*choice, wide=True)
     if wide == narrow or plan.tile_cells(*wide[:2], layout.block_size) > plan.MAX_CELLS:
         return False
-    sms = sm_count(device)
+    sms, padded = sm_count(device), -(-head_dim // 16) * 16
 
-    def span(tiles) -> int:
-        counts = plan.visits(layout, *tiles[:2])
+    def span(tiles, partial_cost=0) -> float:
+        counts = plan.visits(layout, *tiles[:2], partial_cost)
         ctas = min(batch * heads * counts.shape[2], sms)
         return plan.makespan(counts, batch, heads, ctas, _FORWARD_GROUP * sms)
 
-    return build.WIDE_TILE_COST * span(wide) < span(narrow)
+    return build.WIDE_TILE_COST[padded] * span(wide, build.WIDE_PARTIAL_COST[padded]) < span(narrow)
 
 
 # The arrays a Hopper backward pass copies by TMA, in the order of its descriptor arguments.

@@ -75,13 +75,13 @@ def work_order(
     return _deal(_per_call(counts, batch, heads), plan.tiles_q, group_items, ctas)[0]
 
 
-def makespan(counts: np.ndarray, batch: int, heads: int, ctas: int, group_items: int = 1) -> int:
+def makespan(counts: np.ndarray, batch: int, heads: int, ctas: int, group_items: int = 1) -> float:
     """When the last CTA of `work_order`'s deal would finish, in key tiles (an item's count plus ITEM_COST),
     for `counts` [layout batch, layout heads, tiles_q], the key tiles each row visits (`visits`)."""
     line = counts.shape[2]
     counts = _per_call(counts, batch, heads)
     start = _deal(counts, line, group_items, ctas)[1]
-    return int((start + counts + ITEM_COST).max())
+    return float((start + counts + ITEM_COST).max())
 
 
 def _per_call(counts: np.ndarray, batch: int, heads: int) -> np.ndarray:
@@ -97,7 +97,7 @@ def _deal(counts: np.ndarray, line: int, group_items: int, ctas: int) -> tuple[n
     order = np.lexsort((-counts, group))
     queue = [(0, c) for c in range(min(ctas, len(order)))]
     dealt: list[list[int]] = [[] for _ in queue]
-    start = np.zeros(counts.size, np.int64)
+    start = np.zeros(counts.size, counts.dtype)
     for item, cost in zip(order.tolist(), (counts[order] + ITEM_COST).tolist(), strict=True):
         free_at, cta = heapq.heappop(queue)
         dealt[cta].append(item)
@@ -264,6 +264,16 @@ class _Grid:
         (bq, bk), (cq, ck) = self.layout.block_size, self.cell
         return _fine(mask, bq // cq, bk // ck, self.rows, -(-self.layout.seq_k // ck))
 
+    def full_tiles(self) -> np.ndarray:
+        """[B, H, tiles_q, tiles_k]: the tiles that need no mask (every cell full, inside the keys)."""
+        (tiles_q, tiles_k), (per_q, _) = self.tiles, self.per_tile
+        # Rows past the sequence's end don't matter (nothing is written for them), so they pad as full.
+        row_pad = np.arange(tiles_q * per_q).reshape(tiles_q, per_q) >= self.rows
+        full = (self.tiled(self.cells(self.layout.full)) | row_pad[None, None, :, :, None, None]).all(
+            axis=(3, 5)
+        )
+        return full & ((np.arange(tiles_k) + 1) * self.tile_n <= self.layout.seq_k)  # ends before the keys do
+
     def tiled(self, cells: np.ndarray) -> np.ndarray:
         """Cells as [B, H, tiles_q, per_q, tiles_k, per_k] (padded with False)."""
         nb, nh, rows, cols = cells.shape
@@ -272,26 +282,26 @@ class _Grid:
         return np.pad(cells, pad).reshape(nb, nh, tiles_q, per_q, tiles_k, per_k)
 
 
-def visits(layout: BlockLayout, tile_m: int, tile_n: int) -> np.ndarray:
-    """How many key tiles each query tile visits: int [layout batch, layout heads, tiles_q] (a row of
-    `build`'s plan), for weighing tilings against each other without building their plans."""
+def visits(layout: BlockLayout, tile_m: int, tile_n: int, partial_cost: float = 0) -> np.ndarray:
+    """How many key tiles each query tile visits: [layout batch, layout heads, tiles_q] (a row of `build`'s
+    plan), for weighing tilings against each other without building their plans; a partial tile (masked)
+    counts 1 + `partial_cost`."""
     grid = _Grid(layout, tile_m, tile_n)
-    return np.count_nonzero(grid.tiled(grid.cells(layout.blocks)).any(axis=(3, 5)), axis=3)
+    visited = grid.tiled(grid.cells(layout.blocks)).any(axis=(3, 5))
+    counts = np.count_nonzero(visited, axis=3)
+    if not partial_cost:
+        return counts
+    return counts + partial_cost * np.count_nonzero(visited & ~grid.full_tiles(), axis=3)
 
 
 def build(layout: BlockLayout, tile_m: int, tile_n: int) -> TilePlan:
     grid = _Grid(layout, tile_m, tile_n)
-    (cq, ck), rows, (tiles_q, tiles_k), (per_q, per_k) = grid.cell, grid.rows, grid.tiles, grid.per_tile
+    (cq, ck), (tiles_q, tiles_k), (per_q, per_k) = grid.cell, grid.tiles, grid.per_tile
 
     set_cells = grid.cells(layout.blocks)
-    full_cells = grid.cells(layout.full)
-    partial_cells = set_cells & ~full_cells
+    partial_cells = set_cells & ~grid.cells(layout.full)
     visited = grid.tiled(set_cells).any(axis=(3, 5))
-    # Rows past the sequence's end don't matter (nothing is written for them), so they pad as full.
-    full_padded = grid.tiled(full_cells)
-    row_pad = np.arange(tiles_q * per_q).reshape(tiles_q, per_q) >= rows
-    full_tile = (full_padded | row_pad[None, None, :, :, None, None]).all(axis=(3, 5))
-    full_tile &= (np.arange(tiles_k) + 1) * tile_n <= layout.seq_k  # ends before the keys do
+    full_tile = grid.full_tiles()
 
     counts = np.count_nonzero(visited, axis=3).reshape(-1)
     row_ptr = np.zeros(counts.size + 1, dtype=np.int64)

@@ -90,8 +90,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                 const float* lse2_s = vec_smem + stage * 2 * TILE_M;
                 const float* delta_s = lse2_s + TILE_M;
 
-                const unsigned long long keep =
-                    mask_bits<true, TILE_M>(p, e.y, b, h, q0, k_tile0, warp * 16, lane);
+                const auto keep = mask_bits<true, TILE_M>(p, e.y, b, h, q0, k_tile0, warp * 16, lane);
                 float st[TILE_M / 8][4], dpt[TILE_M / 8][4];  // S^T (the warp's 16 keys x TILE_M queries), (dO V^T)^T
                 mma_ABt<TILE_M>(st, kf, qs, lane);
                 // A score mod's derivative folds into dpt while the raw scores are at hand; without one, dpt

@@ -101,7 +101,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         const int2 e = walk.entry();
         const int h = walk.h(), q0 = e.x * TILE_M;
         // The partial tile's mask is worked out while the tensor cores run.
-        const unsigned long long keep = mask_bits<true, TILE_M>(p, e.y, b, h, q0, k_tile0, keys + warp * 16, lane);
+        const auto keep = mask_bits<true, TILE_M>(p, e.y, b, h, q0, k_tile0, keys + warp * 16, lane);
         const float* lse2 = sh.stats[n % STAGES][STAT_LSE2];
         const float* delta = sh.stats[n % STAGES][STAT_DELTA];
         wgmma_wait_behind<2>(behind);

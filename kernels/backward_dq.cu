@@ -61,8 +61,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                 dof.load(do_smem + warp * 16 * SMEM_ROW, lane);
             }
             const elem_t* ks = kv_smem + stage * 2 * KV_ELEMS;
-            const unsigned long long keep =
-                mask_bits<false, TILE_N>(p, e.y, b, h, q_tile0, e.x * TILE_N, warp * 16, lane);
+            const auto keep = mask_bits<false, TILE_N>(p, e.y, b, h, q_tile0, e.x * TILE_N, warp * 16, lane);
             float s[TILE_N / 8][4];
             mma_ABt<TILE_N>(s, qf, ks, lane);
             float dp[TILE_N / 8][4];

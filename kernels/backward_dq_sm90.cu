@@ -82,8 +82,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         const int2 e = p.entries[begin + i];
         const int k0 = e.x * TILE_N;
         // The partial tile's mask is worked out while the tensor cores run.
-        const unsigned long long keep =
-            mask_bits<false, TILE_N>(p, e.y, b, h, q_tile0, k0, rows + warp * 16, lane);
+        const auto keep = mask_bits<false, TILE_N>(p, e.y, b, h, q_tile0, k0, rows + warp * 16, lane);
         wgmma_wait_behind(behind);
         fence_operands(s, dp);
         sh.v_ring.release(i);

@@ -171,8 +171,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             issue_ABt<TILE_M, TILE_N>(st, k_tile + keys * 64, sh.q[slot]);
             issue_ABt<TILE_M, TILE_N>(dpt, sh.v[kv] + keys * 64, sh.dout[slot]);
             // The partial tile's mask is worked out while the tensor cores run.
-            const unsigned long long keep =
-                mask_bits<true, TILE_M>(p, e.y, b, h, q0, k_tile0, keys + warp * 16, lane);
+            const auto keep = mask_bits<true, TILE_M>(p, e.y, b, h, q0, k_tile0, keys + warp * 16, lane);
             const float* lse2 = sh.stats[slot][STAT_LSE2];
             const float* delta = sh.stats[slot][STAT_DELTA];
             wgmma_wait<0>();

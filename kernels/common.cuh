@@ -484,14 +484,23 @@ __device__ __forceinline__ void for_each_element(int row0, int lane, F&& f) {
             for (int c = 0; c < 2; ++c) f(n, 2 * r + c, row0 + g + 8 * r, n * 8 + 2 * t + c);
 }
 
+// One bit for each element of a warp's 16 x COLS accumulator tile, bit 4n + 2r + c for element [n][2r + c]:
+// a word up to 128 columns, two for the forward's key tiles of 192. Unrolled loops index it with constants,
+// so the words stay in registers.
+template <int COLS>
+struct ElementBits {
+    unsigned long long word[(COLS / 2 + 63) / 64] = {};
+
+    __device__ __forceinline__ void set(int i, bool on) { word[i / 64] |= (unsigned long long)on << (i % 64); }
+    __device__ __forceinline__ bool operator[](int i) const { return (word[i / 64] >> (i % 64)) & 1ull; }
+};
+
 // mask_bits's loop: visible_at(tile-local query, tile-local key) of each of the warp's elements.
 template <bool TRANSPOSED, int COLS, class Visible>
-__device__ __forceinline__ unsigned long long gather_bits(int row0, int lane, Visible visible_at) {
-    static_assert(COLS / 8 * 4 <= 64, "one bit per accumulator element fits a 64-bit word");
-    unsigned long long bits = 0;
+__device__ __forceinline__ ElementBits<COLS> gather_bits(int row0, int lane, Visible visible_at) {
+    ElementBits<COLS> bits;
     for_each_element<COLS>(row0, lane, [&](int n, int j, int row, int col) {
-        const bool ok = TRANSPOSED ? visible_at(col, row) : visible_at(row, col);
-        bits |= (unsigned long long)ok << (4 * n + j);
+        bits.set(4 * n + j, TRANSPOSED ? visible_at(col, row) : visible_at(row, col));
     });
     return bits;
 }
@@ -520,21 +529,21 @@ __device__ __forceinline__ ulonglong2 sub_bits_of(const Params& p, int pidx) {
 // `visible` at each of the warp's elements of partial tile `pidx` (sub-block bits `sub`), as mask_bits lays
 // them out.
 template <bool TRANSPOSED, int COLS>
-__device__ __forceinline__ unsigned long long block_bits(const Params& p, int pidx, const ulonglong2& sub, int b,
-                                                         int h, int q0, int k0, int row0, int lane) {
+__device__ __forceinline__ ElementBits<COLS> block_bits(const Params& p, int pidx, const ulonglong2& sub, int b,
+                                                        int h, int q0, int k0, int row0, int lane) {
     return gather_bits<TRANSPOSED, COLS>(row0, lane,
                                          [&](int qi, int ki) { return visible(p, pidx, sub, b, h, q0, k0, qi, ki); });
 }
 
-// Which elements of a warp's 16 x COLS accumulator tile are visible, one bit each (bit 4n + 2r + c for element
-// [n][2r + c]), in partial tile `pidx` of the plan; 0 for a full tile (pidx < 0), which is applied no mask.
+// Which elements of a warp's 16 x COLS accumulator tile are visible (ElementBits), in partial tile `pidx` of
+// the plan; none for a full tile (pidx < 0), which is applied no mask.
 // Rows are queries and columns keys, or the transpose (the dK/dV pass); `row0` is the warp's first row in the
 // tile. Computed before the scores exist, so that the rule's arithmetic does not compete with the score
 // accumulators for registers.
 template <bool TRANSPOSED, int COLS>
-__device__ __forceinline__ unsigned long long mask_bits(const Params& p, int pidx, int b, int h, int q0, int k0,
-                                                        int row0, int lane) {
-    if (pidx < 0) return 0;
+__device__ __forceinline__ ElementBits<COLS> mask_bits(const Params& p, int pidx, int b, int h, int q0, int k0,
+                                                       int row0, int lane) {
+    if (pidx < 0) return {};
     const ulonglong2 sub = sub_bits_of(p, pidx);
 #if RULE_MODE == RULE_EXPR
     if (rule_decides(p, sub, k0)) {
@@ -617,55 +626,62 @@ __device__ __forceinline__ float dscore(float prob, float dp, float delta) {
 
 // Sets the scores that `bits` (from mask_bits) hides to -inf: exp2 then gives exactly 0.
 template <int COLS>
-__device__ __forceinline__ void apply_mask(float (&s)[COLS / 8][4], unsigned long long bits) {
+__device__ __forceinline__ void apply_mask(float (&s)[COLS / 8][4], const ElementBits<COLS>& bits) {
 #pragma unroll
     for (int n = 0; n < COLS / 8; ++n)
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-            if (!((bits >> (4 * n + j)) & 1ull)) s[n][j] = -INFINITY;
+            if (!bits[4 * n + j]) s[n][j] = -INFINITY;
 }
 
 // A partial tile's mask over a warp's 16 x COLS accumulator tile (rows are queries), in two halves around the
-// wait for the scores. The constructor runs before it: the loads and, where layout blocks or a bit table decide,
-// the bits (block_bits). hide(s) runs once the scores have landed: it applies the bits or, where the rule alone
-// decides the warp's rows, evaluates the rule at each element as it selects it, which takes about half the
-// instructions of gathering bits and applying them. Nothing for a full tile (pidx < 0).
+// wait for the scores. The constructor runs before it: the tile's cell bits or, for a bit table (RULE_BITS),
+// the bits of every element (block_bits). hide(s) runs once the scores have landed and sets what the mask
+// hides to -inf: where the rule alone decides the warp's rows, it evaluates the rule at each element as it
+// selects it; else, for each 8 columns, it reads their cell's bits (set, decided by the rule) and evaluates the
+// rule only inside cells that it decides. That takes a fraction of the instructions of gathering a bit for each
+// element and applying them, which key tiles of 192 over blocks of 128 (cells of 64, a warp's row of them
+// mixed: whole, empty, the rule's) paid in every tile that crossed a block's edge. Nothing for a full tile
+// (pidx < 0).
 //
 // A warp's 16 rows lie in one row of the tile's cells (blocks are at least 16 long), so where the tile ends
-// before the keys do, the warp's part may be whole (no mask), empty (bits 0) or all rule though the tile is
-// not: a query tile of 192 rows over blocks of 128 is partial wherever it crosses a block's edge.
+// before the keys do, the warp's part may be whole (no mask), empty or all rule though the tile is not: a
+// query tile of 192 rows over blocks of 128 is partial wherever it crosses a block's edge. A cell is at least
+// 16 keys wide, so 8 columns lie in one, and a row of a tile of at most 256 keys holds at most 16 of them.
 template <int COLS>
 struct TileMask {
     int pidx;
-    bool by_rule = false;
-    unsigned long long bits = 0;
+#if RULE_MODE == RULE_BITS
+    ElementBits<COLS> bits;
+#else
+    unsigned cells_set = 0, cells_rule = 0;  // the warp's row of cells, a bit each: set; decided by the rule
+    bool inside = true, by_rule = false;     // the tile ends before the keys do; the rule decides every cell
+#endif
 
     __device__ __forceinline__ TileMask(const Params& p, int pidx_, int b, int h, int q0, int k0, int row0, int lane)
         : pidx(pidx_) {
+        static_assert(COLS <= 256, "a warp's row of cells fits 16 bits");
         if (pidx < 0) return;
         const ulonglong2 sub = sub_bits_of(p, pidx);
-#if RULE_MODE != RULE_BITS
-        if (k0 + TILE_N <= p.seq_k) {
-            const int shift = (row0 >> p.sub_q_shift) * p.sub_k_count;
-            const unsigned long long row = ((1ull << p.sub_k_count) - 1) << shift;
-            const unsigned long long set = sub.x & row, part = sub.y & row;
-            if (set == 0) return;
-            if (set == row && part == 0) {
-                pidx = -1;
-                return;
-            }
-#if RULE_MODE == RULE_EXPR
-            by_rule = set == row && part == row;
-            if (by_rule) return;
-#endif
-        }
-#endif
+#if RULE_MODE == RULE_BITS
         bits = block_bits<false, COLS>(p, pidx, sub, b, h, q0, k0, row0, lane);
+#else
+        const int shift = (row0 >> p.sub_q_shift) * p.sub_k_count;
+        const unsigned row = (1u << p.sub_k_count) - 1;
+        cells_set = static_cast<unsigned>(sub.x >> shift) & row;
+        cells_rule = static_cast<unsigned>(sub.y >> shift) & row;
+        inside = k0 + TILE_N <= p.seq_k;
+        if (inside && cells_set == row && cells_rule == 0) pidx = -1;
+        by_rule = inside && cells_set == row && cells_rule == row;
+#endif
     }
 
     __device__ __forceinline__ void hide(const Params& p, float (&s)[COLS / 8][4], int b, int h, int q0, int k0,
                                          int row0, int lane) const {
         if (pidx < 0) return;
+#if RULE_MODE == RULE_BITS
+        apply_mask<COLS>(s, bits);
+#else
 #if RULE_MODE == RULE_EXPR
         if (by_rule) {
 #if RULE_NARROWABLE
@@ -682,7 +698,17 @@ struct TileMask {
             return;
         }
 #endif
-        apply_mask<COLS>(s, bits);
+        // Rows of mixed cells are rare (a tile across a block's edge, the sequence's end): the rule in long long
+        // alone keeps the code small.
+        for_each_element<COLS>(row0, lane, [&](int n, int j, int row, int col) {
+            const int cell = (n * 8) >> p.sub_k_shift;
+            bool visible = ((cells_set >> cell) & 1u) && (inside || k0 + col < p.seq_k);
+#if RULE_MODE == RULE_EXPR
+            visible = visible && (!((cells_rule >> cell) & 1u) || rule_at<long long>(p, b, h, q0 + row, k0 + col));
+#endif
+            if (!visible) s[n][j] = -INFINITY;
+        });
+#endif
     }
 };
 
@@ -760,7 +786,7 @@ __device__ __forceinline__ void scores_to_ds(float (&s)[COLS / 8][4], const floa
 template <int COLS>
 __device__ __forceinline__ void transposed_scores_to_ds(const Params& p, float (&st)[COLS / 8][4],
                                                         float (&dpt)[COLS / 8][4], const float* lse2,
-                                                        const float* delta, bool partial, unsigned long long keep,
+                                                        const float* delta, bool partial, const ElementBits<COLS>& keep,
                                                         float scale_log2, int b, int h, const TilePos<true>& pos,
                                                         int t) {
     apply_score_mod<true, COLS>(p, st, dpt, [&](int c, int jj) { return delta[c * 8 + 2 * t + (jj & 1)]; }, b, h, pos);

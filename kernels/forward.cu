@@ -54,8 +54,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
             const int2 e = p.entries[begin + i];
             if (i == 0) qf.load(q_smem + warp * 16 * SMEM_ROW, lane);
             const elem_t* ks = kv_smem + stage * 2 * KV_ELEMS;
-            const unsigned long long keep =
-                mask_bits<false, TILE_N>(p, e.y, b, h, q_tile0, e.x * TILE_N, warp * 16, lane);
+            const auto keep = mask_bits<false, TILE_N>(p, e.y, b, h, q_tile0, e.x * TILE_N, warp * 16, lane);
             float s[TILE_N / 8][4];
             mma_ABt<TILE_N>(s, qf, ks, lane);
             apply_score_mod<false, TILE_N>(p, s, b, h, TilePos<false>(p, q_tile0, e.x * TILE_N, warp * 16, lane));

@@ -3,20 +3,21 @@
 //
 // Persistent: one CTA per SM walks its part of the schedule (plan.work_order: every (batch element, query
 // head, query tile), dealt heaviest row first to the CTA that would be free first), entries blockIdx.x,
-// blockIdx.x + gridDim.x, ... up to a -1, each item's row read a step ahead (Walk). A producer warpgroup and
-// one consumer warpgroup for each 64 query rows: two, or three (build.WIDE_TILES) at head dim 64, whose
-// softmax takes as long as its products, where the host finds that they pay (cuda._wide_pays). The producer
-// gives most of its registers to the others; one of its threads copies each item's Q tile into a ring of two,
-// then the K and V tiles that the layout's row lists into two rings of STAGES buffers (hopper.cuh's Ring); the
-// rings run on across items. K_i is released once S_i has landed, a step before V_i, so the next K copy starts
-// early, and Q once the row's last S has landed; the next item's Q is copied while this one runs. Each
-// consumer warpgroup owns 64 query rows: S = Q K^T from shared memory, then the mask, score mod and online
-// softmax of the mma.sync kernel (a warp holds its accumulators alike), then O += P V with P from registers,
-// overlapped with the next tile's softmax. The consumers take turns to issue their products, so that one's
-// softmax overlaps the others' matrix products. Items run on into each other: a row's last O += P V is issued
-// with the next row's first S, and the row is written out while that S is in flight, so that short rows
-// (narrow windows, S = 4096) keep the tensor cores busy. Writes out [B, Hq, Sq, D] and lse [B, Hq, Sq] as
-// forward.cu does.
+// blockIdx.x + gridDim.x, ... up to a -1, each item's row read a step ahead (Walk). A producer warpgroup
+// and one consumer warpgroup for each 64 query rows: two, or three at head dim 64, whose softmax takes as
+// long as its products; key tiles of 128, or 192 at head dim 128, fewer steps for the same products. Those
+// wide tiles (build.WIDE_TILES) run where the host finds that they pay (cuda._wide_pays). The producer
+// gives most of its registers to the others; one of its threads copies each item's Q tile into a ring of
+// Q_BUFFERS, then the K and V tiles that the layout's row lists into two rings of STAGES buffers
+// (hopper.cuh's Ring); the rings run on across items. K_i is released once S_i has landed, a step before
+// V_i, so the next K copy starts early, and Q once the row's last S has landed; with two Q buffers the
+// next item's Q is copied while this one runs. Each consumer warpgroup owns 64 query rows: S = Q K^T from
+// shared memory, then the mask, score mod and online softmax of the mma.sync kernel (a warp holds its
+// accumulators alike), then O += P V with P from registers, overlapped with the next tile's softmax. The
+// consumers take turns to issue their products, so that one's softmax overlaps the others' matrix
+// products. Items run on into each other: a row's last O += P V is issued with the next row's first S, and
+// the row is written out while that S is in flight, so that short rows (narrow windows, S = 4096) keep the
+// tensor cores busy. Writes out [B, Hq, Sq, D] and lse [B, Hq, Sq] as forward.cu does.
 #include "hopper.cuh"
 
 using namespace csa;
@@ -25,17 +26,17 @@ static_assert(TILE_M == CONSUMERS * 64, "a consumer warpgroup for each 64 query 
 static_assert(TILE_N % 16 == 0 && TILE_N <= 256, "a key tile is one wgmma N");
 
 constexpr unsigned Q_BYTES = TILE_M * HEAD_DIM * sizeof(elem_t);
-// Two Q buffers: the next item's Q is copied while this one runs, which short rows (a narrow window) notice.
-constexpr int Q_STAGES = 2;
+// Q_BUFFERS (build.forward_q_buffers): two where shared memory holds them, so that the next item's Q is copied
+// while this one runs, which short rows (a narrow window) notice.
 // setmaxnreg moves registers within the CTA's allocation (65536 / THREADS a thread): the producer keeps 24 and
 // the consumers share the rest, 240 each of two or 160 each of three.
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = (65536 / 128 - PRODUCER_REGS) / CONSUMERS / 8 * 8;
 
 struct alignas(1024) Shared {
-    elem_t q[Q_STAGES][TILE_M * HEAD_DIM];
+    elem_t q[Q_BUFFERS][TILE_M * HEAD_DIM];
     elem_t k[STAGES][TILE_N * HEAD_DIM];
     elem_t v[STAGES][TILE_N * HEAD_DIM];
-    Ring<Q_STAGES> q_ring;
+    Ring<Q_BUFFERS> q_ring;
     Ring<STAGES> k_ring, v_ring;
 };
 // The builder launches with sizeof(Shared) and 1024 bytes to align it: dynamic shared memory is only
@@ -68,7 +69,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 const Row row = walk.take(p);
                 const Span span{row.begin, row.end - row.begin};
                 if (span.count == 0) continue;
-                tma_load_tile(sh.q[rows_done % Q_STAGES], q_map, sh.q_ring.fill(rows_done, Q_BYTES), row.q0, row.h,
+                tma_load_tile(sh.q[rows_done % Q_BUFFERS], q_map, sh.q_ring.fill(rows_done, Q_BYTES), row.q0, row.h,
                               row.b);
                 ++rows_done;
                 stream_kv<TILE_N>(p, span, row.h / p.group, row.b, sh.k, sh.v, k_map, v_map, sh.k_ring, sh.v_ring,
@@ -90,7 +91,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     // Ring use `use` of K and V; Q's `q_use`.
     auto issue_scores_of = [&](int q_use, int use) {
         sh.k_ring.wait(use);
-        issue_ABt<TILE_N, TILE_M>(sc, sh.q[q_use % Q_STAGES] + consumer * 64 * 64, sh.k[use % STAGES]);
+        issue_ABt<TILE_N, TILE_M>(sc, sh.q[q_use % Q_BUFFERS] + consumer * 64 * 64, sh.k[use % STAGES]);
     };
     auto issue_output_of = [&](int use) {
         sh.v_ring.wait(use);

@@ -26,10 +26,11 @@ def random_layout(seq: int) -> BlockLayout:
 CASES = [
     ("dense fp16 d64", torch.float16, 64, 2, 256, patterns.dense(block=64)),
     ("causal bf16 d128 ragged", torch.bfloat16, 128, 1, 333, patterns.causal(block=128)),
-    # "wide": three consumers at head dim 64, query tiles of 192 rows (build.WIDE_TILES), whose warps mask
-    # their own rows where a tile crosses the layout's blocks.
+    # "wide" (build.WIDE_TILES): three consumers at head dim 64, query tiles of 192 rows, whose warps mask
+    # their own rows where a tile crosses the layout's blocks; key tiles of 192 at 128, one Q buffer.
     ("dense bf16 d64 wide", torch.bfloat16, 64, 2, 384, patterns.dense(block=128)),
     ("causal fp16 d64 wide ragged", torch.float16, 64, 1, 400, patterns.causal(block=128)),
+    ("causal bf16 d128 wide ragged", torch.bfloat16, 128, 2, 400, patterns.causal(block=128)),
     ("local bf16 d40 bshd", torch.bfloat16, 40, 2, 300, patterns.local(window=70, block=16)),
     ("random bits fp16 d256", torch.float16, 256, 4, 200, None),
     # The Hopper kernels' empty rows: a persistent CTA writes one while the row before it is still in flight.

@@ -67,17 +67,30 @@ def test_bit_masks_and_score_mods_take_the_hopper_dq_pass_to_smaller_key_tiles()
     assert portable.tiles == build.tile_config("backward_dq", 64)  # the portable pass has room for them
 
 
-def test_the_hopper_forward_may_take_three_consumers_at_head_dim_64():
-    wide = build.WIDE_TILES["forward_sm90"][64]
-    assert wide == (192, 128, 16) and build.tile_config("forward_sm90", 64, wide=True) == wide
-    assert build.tile_config("forward_sm90", 64) == (128, 128, 12)  # unless cuda._wide_pays asks
-    assert build.tile_config("forward_sm90", 64, score=True, wide=True) == (128, 128, 12)  # it would spill
-    assert build.tile_config("forward_sm90", 64, bits=True, wide=True) == (128, 128, 12)
-    assert build.tile_config("forward_sm90", 128, wide=True) == (128, 128, 12)
-    assert build.tile_config("forward", 64, wide=True) == build.tile_config("forward", 64)
+@pytest.mark.parametrize(("head_dim", "wide"), [(64, (192, 128, 16)), (128, (128, 192, 12))])
+def test_the_hopper_forward_may_take_wide_tiles(head_dim, wide):
+    """Three consumers (192 query rows) at head dim 64, 192 keys at 128, where cuda._wide_pays asks."""
+    assert build.WIDE_TILES["forward_sm90"][head_dim] == wide
+    assert build.tile_config("forward_sm90", head_dim, wide=True) == wide
+    assert build.tile_config("forward_sm90", head_dim) == (128, 128, 12)  # unless cuda._wide_pays asks
+    assert build.tile_config("forward_sm90", head_dim, score=True, wide=True) == (
+        128,
+        128,
+        12,
+    )  # it would spill
+    assert build.tile_config("forward_sm90", head_dim, bits=True, wide=True) == (128, 128, 12)
+    assert build.tile_config("forward", head_dim, wide=True) == build.tile_config("forward", head_dim)
     names = [s.name for s in build.all_specs()]
-    assert any(n.startswith("forward_sm90_f16_d64_q192k128w16_none") for n in names)
-    assert any(n.startswith("forward_sm90_bf16_d64_q192k128w16_expr") for n in names)
+    shape = f"q{wide[0]}k{wide[1]}w{wide[2]}"
+    assert any(n.startswith(f"forward_sm90_f16_d{head_dim}_{shape}_none") for n in names)
+    assert any(n.startswith(f"forward_sm90_bf16_d{head_dim}_{shape}_expr") for n in names)
+    # The next item's Q in a second buffer, but beside 192 keys at head dim 128: 227 KiB hold one.
+    q_buffers = 1 if head_dim == 128 else 2
+    assert build.forward_q_buffers(head_dim, wide) == q_buffers
+    assert (
+        f"#define Q_BUFFERS {q_buffers}"
+        in build.KernelSpec.make("forward_sm90", "bfloat16", head_dim, tiles=wide).prelude()
+    )
 
 
 @pytest.mark.parametrize(
@@ -171,6 +184,8 @@ def test_hopper_shared_memory_is_the_kernels_struct_plus_alignment():
     # to 1 KiB, and 1 KiB to align.
     assert build.shared_bytes("forward_sm90", 128, (128, 128, 12)) == 6 * 32768 + 1024 + 1024
     assert build.shared_bytes("forward_sm90", 64, (128, 128, 12)) == 6 * 16384 + 1024 + 1024
+    # Key tiles of 192 at D = 128: one Q buffer, two stages of K and V (192 x 128), 10 barriers.
+    assert build.shared_bytes("forward_sm90", 128, (128, 192, 12)) == 32768 + 4 * 49152 + 1024 + 1024
     # dQ: Q and dO (128 x 128), two stages of K and V (64 x 128).
     assert build.shared_bytes("backward_dq_sm90", 128, (128, 64, 12)) == 4 * 32768 + 1024 + 1024
     # dK/dV: K and V (128 x 128), three stages of Q and dO (64 x 128) and of their lse and delta (1.5 KiB in

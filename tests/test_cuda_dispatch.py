@@ -233,14 +233,14 @@ def test_hopper_gpus_run_the_hopper_forward_with_three_tma_maps(
 ):
     monkeypatch.setattr(cuda, "compute_capability", lambda device: 90)
     monkeypatch.setattr(cuda, "sm_count", lambda device: sms)
-    if wide:  # as if 192-row tiles ran in half the time of 128: they pay wherever they may run (head dim 64)
-        monkeypatch.setattr(build, "WIDE_TILE_COST", 0.5)
+    if wide:  # as if wide tiles ran in half the time of 128 x 128: they pay wherever they may run
+        monkeypatch.setattr(build, "WIDE_TILE_COST", dict.fromkeys(build.HOPPER_HEAD_DIMS, 0.5))
     layout = _forward(head_dim, seq, patterns.dense(block=128) if wide else patterns.causal(block=64))
     ((name, grid, (threads, _, _), args, shared, maps),) = launches
     nargs = len(args)
-    # Three consumers (192 query rows) at head dim 64 where the wide tiles pay, else two.
-    tm, nw = (192, 16) if head_dim == 64 and wide else (128, 12)
-    assert name.startswith(f"forward_sm90_bf16_d{head_dim}_q{tm}k128w{nw}") and threads == 32 * nw
+    # Where the wide tiles pay: three consumers (192 query rows) at head dim 64, key tiles of 192 at 128.
+    tm, tn, nw = build.WIDE_TILES["forward_sm90"][head_dim] if wide else (128, 128, 12)
+    assert name.startswith(f"forward_sm90_bf16_d{head_dim}_q{tm}k{tn}w{nw}") and threads == 32 * nw
     tiles_q = -(-seq // tm)
     items = 8 * tiles_q
     assert grid == (min(items, sms), 1, 1) and nargs == 4  # the parameters, then q, k, v maps
@@ -250,11 +250,11 @@ def test_hopper_gpus_run_the_hopper_forward_with_three_tma_maps(
     assert sorted(work.host[work.host >= 0]) == list(range(items)) and work.size % grid[0] == 0
     if sms == 132 and not wide:  # one item per CTA in the order dealt: each line's last query tile first
         assert list(work.host % tiles_q) == [t for t in reversed(range(tiles_q)) for _ in range(8)]
-    assert shared == build.shared_bytes("forward_sm90", head_dim, (tm, 128, nw))
+    assert shared == build.shared_bytes("forward_sm90", head_dim, (tm, tn, nw))
     panels = head_dim // 64
     # q, k, v in that order: [B, H, S, D] as (64, S, D / 64, H, B), boxes of a query or a key tile
     assert [m[0] for m in maps] == [(64, seq, panels, 4, 2), (64, seq, panels, 2, 2), (64, seq, panels, 2, 2)]
-    assert [m[2] for m in maps] == [(64, tm, panels, 1, 1)] + [(64, 128, panels, 1, 1)] * 2
+    assert [m[2] for m in maps] == [(64, tm, panels, 1, 1)] + [(64, tn, panels, 1, 1)] * 2
 
 
 @pytest.mark.parametrize(
@@ -264,15 +264,19 @@ def test_hopper_gpus_run_the_hopper_forward_with_three_tma_maps(
         (patterns.dense(block=128), 4096, 64, False),  # 22 tiles of 192 rows for 21.3: the last one pads
         (patterns.causal(block=128), 16384, 64, True),
         (patterns.local(window=1024, block=128), 16384, 64, False),  # a row of 192 visits 1.5 blocks more
-        (patterns.dense(block=128), 16384, 128, False),  # no wide tiles at head dim 128
         (patterns.causal(block=16), 16384, 64, False),  # 96 cells of 16 x 16 in a 192 x 128 tile
+        (patterns.strided_blocks(stride_blocks=8, block=128), 16384, 64, False),  # x0.98: 241 of 1327 partial
+        (patterns.dense(block=128), 16384, 128, True),  # key tiles of 192
+        (patterns.dense(block=128), 4096, 128, False),  # 22 key tiles of 192 for 21.3
+        (patterns.causal(block=128), 16384, 128, False),  # 171 of 5547 partial: within 1 % either way
+        (patterns.local(window=1024, block=128), 16384, 128, False),  # 331 of 827 partial
     ],
 )
 def test_the_hopper_forward_takes_wide_tiles_where_its_schedule_ends_sooner(
     monkeypatch, pattern, seq, head_dim, pays
 ):
     """cuda._wide_pays weighs the makespans of both tilings (B = 2, H = 16 on an H100's 132 SMs): the cases
-    measured on an H100 against 128-row tiles (build.WIDE_TILES' comment) come out as they ran."""
+    measured on an H100 against 128 x 128 tiles (build.WIDE_TILES' comment) come out as they ran."""
     monkeypatch.setattr(cuda, "sm_count", lambda device: 132)
     monkeypatch.setattr(cuda, "max_shared", lambda device: 227 * 1024)
     assert cuda._wide_pays("forward_sm90", pattern.layout(seq), head_dim, 2, 16, 0) is pays

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from kernel_cases import DTYPES, _torch, cases, hopper_path, layout_for, np_dtype, run_forward, to_host
 from oracle import check_close, forward_refs, random_qkv
 
-from cusparseattn import BlockLayout, patterns
+from cusparseattn import BlockLayout, build, patterns
 
 pytestmark = pytest.mark.gpu
 
@@ -127,14 +127,16 @@ def test_both_kernels_of_a_hopper_gpu(hopper, kind, head_dim, dtype, monkeypatch
     assert launched == ["forward_sm90" if hopper else "forward"]
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(("seq_q", "seq_k"), [(384, 333), (400, 512)])
 @pytest.mark.parametrize("block", [64, 128])
 @pytest.mark.parametrize("kind", ["dense", "causal", "local", "random", "random_rule"])
-def test_the_hopper_forward_takes_three_consumers_at_head_dim_64(kind, block, seq_q, seq_k, monkeypatch):
-    """192 query rows a tile (build.WIDE_TILES, taken here wherever they may run): tiles that cross the
-    layout's blocks, whose warps each mask their own rows (common.cuh's TileMask: whole, empty, by the rule
-    or by bits); ragged keys (333) or whole key tiles (512), padded query tiles (400), GQA, a [B, S, H, D]
-    view, CTAs that walk many items in turn (3 SMs) or one each. A layout's bit masks keep 128 rows."""
+def test_the_hopper_forward_takes_wide_tiles(kind, block, seq_q, seq_k, head_dim, monkeypatch):
+    """build.WIDE_TILES, taken here wherever they may run: 192 query rows a tile at head dim 64 (three
+    consumers), 192 keys at 128 (96 mask bits a thread, one Q buffer). Tiles that cross the layout's blocks,
+    whose warps each mask their own rows (common.cuh's TileMask: whole, empty, by the rule or by bits); ragged
+    keys (333) or whole key tiles (512), padded query tiles (400), GQA, a [B, S, H, D] view, CTAs that walk
+    many items in turn (3 SMs) or one each. A layout's bit masks keep 128 x 128."""
     from cusparseattn import cuda
 
     launched = hopper_path(monkeypatch, True)
@@ -144,11 +146,11 @@ def test_the_hopper_forward_takes_three_consumers_at_head_dim_64(kind, block, se
     monkeypatch.setattr(cuda, "sm_count", lambda device: [3, 132][seed % 2])
     dtype = DTYPES[seed // 2 % 2]
     print(f"seed {seed}, {dtype}")
-    q, k, v = random_qkv(rng, 2, 4, 2, seq_q, seq_k, 64, np_dtype(dtype), "bshd")
+    q, k, v = random_qkv(rng, 2, 4, 2, seq_q, seq_k, head_dim, np_dtype(dtype), "bshd")
     layout = layout_for(kind, rng, 2, 4, seq_q, seq_k, block)
     assert_matches(q, k, v, layout, dtype)
-    tile_m = 128 if kind == "random_rule" else 192
-    assert launched == ["forward_sm90"] and list(cuda._tables[id(layout)]) == [(tile_m, 128, 0)]
+    tiles = (128, 128) if kind == "random_rule" else build.WIDE_TILES["forward_sm90"][head_dim][:2]
+    assert launched == ["forward_sm90"] and list(cuda._tables[id(layout)]) == [(*tiles, 0)]
 
 
 @pytest.mark.parametrize("sms", [1, 5])

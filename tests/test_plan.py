@@ -97,8 +97,11 @@ def test_random_layouts_survive_tiling(seq_q, seq_k, block, tiles, with_rule, se
         return
     p = assert_plan_exact(layout, *tiles)
     assert p.rule_mode == ("none" if with_rule == "none" or not layout.partial.any() else with_rule)
-    # The row lengths that tilings are weighed by, without a plan: the plan's rows.
+    # The row lengths that tilings are weighed by, without a plan: the plan's rows, and their partial tiles.
     assert (plan.visits(layout, *tiles) == np.diff(p.row_ptr).reshape(2, 2, p.tiles_q)).all()
+    partial_so_far = np.concatenate([[0], np.cumsum(p.entries[:, 1] >= 0)])[p.row_ptr]
+    weighed = np.diff(p.row_ptr) + 0.5 * np.diff(partial_so_far)
+    assert (plan.visits(layout, *tiles, partial_cost=0.5) == weighed.reshape(2, 2, p.tiles_q)).all()
 
 
 def test_patterns_survive_tiling():
