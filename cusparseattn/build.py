@@ -100,6 +100,12 @@ WIDE_PARTIAL_COST = {64: 0.2, 128: 1.0}
 MAX_TILE_N = {"backward_dq": {"score": 64}, "backward_dq_sm90": {"bits": 64, "score": 64}}
 
 
+def pad_head_dim(head_dim: int) -> int:
+    """The head dim the kernels run at, and the key of the tables by head dim: the next multiple of 16 (an
+    MMA's reduction step)."""
+    return -(-head_dim // 16) * 16
+
+
 def fused_kv_buffers(head_dim: int) -> int:
     """The fused backward's buffers of K and V (its KV_BUFFERS): two at head dim 64, so that an item's
     copies, and its first visits' Q and dO behind them, start while the item before runs (short columns,
@@ -119,7 +125,7 @@ def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int
     tm, tn, _ = tiles
     if kernel in PLAIN:
         return 0
-    row = 2 * (-(-head_dim // 16) * 16 + 8)  # bytes per padded shared row (SMEM_ROW elements)
+    row = 2 * (pad_head_dim(head_dim) + 8)  # bytes per padded shared row (SMEM_ROW elements)
     if kernel == "forward":  # Q, two stages of K and V
         return row * (tm + 2 * 2 * tn)
     if kernel in ARCH:  # the kernel's Shared struct (1024-aligned), and 1024 bytes to align it
@@ -164,7 +170,7 @@ def tile_config(
     whose key tile a score mod, or a layout's bit masks, allow); its `WIDE_TILES` where `wide` asks."""
     if kernel not in TILES:
         raise ValueError(f"kernel must be one of {sorted(TILES)}, got {kernel!r}")
-    padded = -(-head_dim // 16) * 16
+    padded = pad_head_dim(head_dim)
     tiles = WIDE_TILES.get(kernel, {}).get(padded)
     if wide and tiles and not (score or bits) and shared_bytes(kernel, head_dim, tiles) <= max_shared:
         return tiles
@@ -262,7 +268,7 @@ class KernelSpec:
 
     @property
     def padded_head_dim(self) -> int:
-        return -(-self.head_dim // 16) * 16
+        return pad_head_dim(self.head_dim)
 
     @property
     def name(self) -> str:

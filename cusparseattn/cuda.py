@@ -447,7 +447,7 @@ def _wide_pays(
     narrow, wide = build.tile_config(*choice), build.tile_config(*choice, wide=True)
     if wide == narrow or plan.tile_cells(*wide[:2], layout.block_size) > plan.MAX_CELLS:
         return False
-    sms, padded = sm_count(device), -(-head_dim // 16) * 16
+    sms, padded = sm_count(device), build.pad_head_dim(head_dim)
 
     def span(tiles, partial_cost=0) -> float:
         counts = plan.visits(layout, *tiles[:2], partial_cost)
