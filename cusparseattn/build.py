@@ -71,8 +71,9 @@ TILES = {
 PLAIN = ("backward_stats", "backward_dq_convert")
 # Hopper kernels (sm_90a: TMA, wgmma, a producer warpgroup) take head dims of whole 64-element panels.
 HOPPER_HEAD_DIMS = (64, 128)
-# Buffers of each Hopper pass's ring (hopper.cuh's STAGES): the dK/dV pass holds a (Q, dO) slot until the next
-# use's scores are issued, so it takes more to keep its loads ahead.
+# Buffers of each Hopper pass's ring (hopper.cuh's STAGES; hopper_stages adds the forward's exception): the
+# dK/dV pass holds a (Q, dO) slot until the next use's scores are issued, so it takes more to keep its loads
+# ahead.
 HOPPER_STAGES = {"forward_sm90": 2, "backward_dq_sm90": 2, "backward_dkdv_sm90": 3, "backward_sm90": 2}
 ARCH = dict.fromkeys(HOPPER_STAGES, "sm_90a")
 KERNELS = tuple(TILES)
@@ -114,10 +115,21 @@ def fused_kv_buffers(head_dim: int) -> int:
 
 
 def forward_q_buffers(head_dim: int, tiles: tuple[int, int, int]) -> int:
-    """The Hopper forward's Q buffers (its Q_BUFFERS): two, so that the next item's Q is copied while this one
-    runs (short rows, a narrow window, notice); one beside key tiles of 192 at head dim 128, where the rings
-    of K and V take 192 of the 227 KiB."""
-    return 1 if head_dim > 64 and tiles[1] > 128 else 2
+    """The Hopper forward's Q buffers (its Q_BUFFERS): two at head dim 64, so that the next item's Q is copied
+    while this one runs (short rows, a narrow window, notice); one at 128, where the rings of K and V take the
+    rest of the 227 KiB (two buffers of 192 keys, or three of 128: hopper_stages)."""
+    return 1 if head_dim > 64 else 2
+
+
+def hopper_stages(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int:
+    """A Hopper pass's ring buffers (its STAGES): HOPPER_STAGES, but three for the forward's key tiles of 128
+    at head dim 128, whose loads then run a tile further ahead. On an H100 (forward, against two buffers and
+    two Q buffers, two runs): causal x1.02 / x1.00-1.02, local1024 x1.01-1.04 at S = 16384, strided8 x1.00 to
+    x1.05, dense S = 4096 x1.01, local1024 S = 4096 x0.99 (its short rows miss the second Q buffer). Three at
+    head dim 64 ran x0.97-0.98 at S = 16384."""
+    if kernel == "forward_sm90" and head_dim > 64 and tiles[1] <= 128:
+        return 3
+    return HOPPER_STAGES[kernel]
 
 
 def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int:
@@ -129,7 +141,7 @@ def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int
     if kernel == "forward":  # Q, two stages of K and V
         return row * (tm + 2 * 2 * tn)
     if kernel in ARCH:  # the kernel's Shared struct (1024-aligned), and 1024 bytes to align it
-        stages, barrier = HOPPER_STAGES[kernel], 8  # an mbarrier is 8 bytes
+        stages, barrier = hopper_stages(kernel, head_dim, tiles), 8  # an mbarrier is 8 bytes
         q_buffers = forward_q_buffers(head_dim, tiles)
         payload = {
             # Q buffers; stages of K and V; full/empty barriers for each buffer of the three rings
@@ -317,7 +329,7 @@ class KernelSpec:
             lines.append(f"#define CSA_SCORE(s, b, h, q, k) ({self.score[0]})")
             lines.append(f"#define CSA_SCORE_GRAD(s, b, h, q, k) ({self.score[1]})")
         if self.arch is not None:
-            lines.append(f"#define STAGES {HOPPER_STAGES[self.kernel]}")
+            lines.append(f"#define STAGES {hopper_stages(self.kernel, self.padded_head_dim, self.tiles)}")
             if self.kernel == "backward_sm90":
                 lines.append(f"#define KV_BUFFERS {fused_kv_buffers(self.padded_head_dim)}")
             if self.kernel == "forward_sm90":

@@ -26,8 +26,9 @@ static_assert(TILE_M == CONSUMERS * 64, "a consumer warpgroup for each 64 query 
 static_assert(TILE_N % 16 == 0 && TILE_N <= 256, "a key tile is one wgmma N");
 
 constexpr unsigned Q_BYTES = TILE_M * HEAD_DIM * sizeof(elem_t);
-// Q_BUFFERS (build.forward_q_buffers): two where shared memory holds them, so that the next item's Q is copied
-// while this one runs, which short rows (a narrow window) notice.
+// Q_BUFFERS (build.forward_q_buffers): two at head dim 64, so that the next item's Q is copied while this one
+// runs, which short rows (a narrow window) notice; one at 128, where K and V take three buffers of 128 keys
+// or two of 192 (STAGES, build.hopper_stages).
 // setmaxnreg moves registers within the CTA's allocation (65536 / THREADS a thread): the producer keeps 24 and
 // the consumers share the rest, 240 each of two or 160 each of three.
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = (65536 / 128 - PRODUCER_REGS) / CONSUMERS / 8 * 8;

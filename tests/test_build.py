@@ -84,13 +84,16 @@ def test_the_hopper_forward_may_take_wide_tiles(head_dim, wide):
     shape = f"q{wide[0]}k{wide[1]}w{wide[2]}"
     assert any(n.startswith(f"forward_sm90_f16_d{head_dim}_{shape}_none") for n in names)
     assert any(n.startswith(f"forward_sm90_bf16_d{head_dim}_{shape}_expr") for n in names)
-    # The next item's Q in a second buffer, but beside 192 keys at head dim 128: 227 KiB hold one.
+    # The next item's Q in a second buffer, but at head dim 128, where 227 KiB hold one beside two K/V
+    # buffers of 192 keys or three of 128.
     q_buffers = 1 if head_dim == 128 else 2
-    assert build.forward_q_buffers(head_dim, wide) == q_buffers
-    assert (
-        f"#define Q_BUFFERS {q_buffers}"
-        in build.KernelSpec.make("forward_sm90", "bfloat16", head_dim, tiles=wide).prelude()
-    )
+    narrow = build.tile_config("forward_sm90", head_dim)
+    for tiles, stages in ((wide, 2), (narrow, 3 if head_dim == 128 else 2)):
+        assert build.forward_q_buffers(head_dim, tiles) == q_buffers
+        assert build.hopper_stages("forward_sm90", head_dim, tiles) == stages
+        prelude = build.KernelSpec.make("forward_sm90", "bfloat16", head_dim, tiles=tiles).prelude()
+        assert f"#define Q_BUFFERS {q_buffers}" in prelude and f"#define STAGES {stages}" in prelude
+        assert build.shared_bytes("forward_sm90", head_dim, tiles) <= 227 * 1024  # an H100 holds it
 
 
 @pytest.mark.parametrize(
@@ -180,9 +183,9 @@ def test_hopper_spec_needs_sm90a_and_carries_its_wgmma_functions(kernel, head_di
 
 
 def test_hopper_shared_memory_is_the_kernels_struct_plus_alignment():
-    # Forward, D = 128: two Q buffers (128 x 128), two stages of K and V (128 x 128 each), 12 barriers, padded
-    # to 1 KiB, and 1 KiB to align.
-    assert build.shared_bytes("forward_sm90", 128, (128, 128, 12)) == 6 * 32768 + 1024 + 1024
+    # Forward, D = 128: one Q buffer (128 x 128), three stages of K and V (128 x 128 each), 14 barriers,
+    # padded to 1 KiB, and 1 KiB to align; D = 64: two Q buffers, two stages, 12 barriers.
+    assert build.shared_bytes("forward_sm90", 128, (128, 128, 12)) == 7 * 32768 + 1024 + 1024
     assert build.shared_bytes("forward_sm90", 64, (128, 128, 12)) == 6 * 16384 + 1024 + 1024
     # Key tiles of 192 at D = 128: one Q buffer, two stages of K and V (192 x 128), 10 barriers.
     assert build.shared_bytes("forward_sm90", 128, (128, 192, 12)) == 32768 + 4 * 49152 + 1024 + 1024
