@@ -29,9 +29,14 @@ constexpr unsigned Q_BYTES = TILE_M * HEAD_DIM * sizeof(elem_t);
 // Q_BUFFERS (build.forward_q_buffers): two at head dim 64, so that the next item's Q is copied while this one
 // runs, which short rows (a narrow window) notice; one at 128, where K and V take three buffers of 128 keys
 // or two of 192 (STAGES, build.hopper_stages).
-// setmaxnreg moves registers within the CTA's allocation (65536 / THREADS a thread): the producer keeps 24 and
-// the consumers share the rest, 240 each of two or 160 each of three.
-constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = (65536 / 128 - PRODUCER_REGS) / CONSUMERS / 8 * 8;
+// setmaxnreg moves registers within what the CTA was launched with, 65536 / THREADS a thread in whole 8s (168
+// beside two consumers, 128 beside three): a claim beyond what the producer frees never returns. The producer
+// keeps 24 and the consumers share the rest, 240 each of two or 160 each of three.
+constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
+constexpr int PRODUCER_REGS = 24,
+              CONSUMER_REGS = (LAUNCH_REGS * THREADS / 128 - PRODUCER_REGS) / CONSUMERS / 8 * 8;
+static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (CONSUMERS + 1) * LAUNCH_REGS,
+              "the consumers claim no more than the producer frees");
 
 struct alignas(1024) Shared {
     elem_t q[Q_BUFFERS][TILE_M * HEAD_DIM];
