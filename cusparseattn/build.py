@@ -114,7 +114,7 @@ def fused_kv_buffers(head_dim: int) -> int:
     return 2 if head_dim <= 64 else 1
 
 
-def forward_q_buffers(head_dim: int, tiles: tuple[int, int, int]) -> int:
+def forward_q_buffers(head_dim: int) -> int:
     """The Hopper forward's Q buffers (its Q_BUFFERS): two at head dim 64, so that the next item's Q is copied
     while this one runs (short rows, a narrow window, notice); one at 128, where the rings of K and V take the
     rest of the 227 KiB (two buffers of 192 keys, or three of 128: hopper_stages)."""
@@ -142,7 +142,7 @@ def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int
         return row * (tm + 2 * 2 * tn)
     if kernel in ARCH:  # the kernel's Shared struct (1024-aligned), and 1024 bytes to align it
         stages, barrier = hopper_stages(kernel, head_dim, tiles), 8  # an mbarrier is 8 bytes
-        q_buffers = forward_q_buffers(head_dim, tiles)
+        q_buffers = forward_q_buffers(head_dim)
         payload = {
             # Q buffers; stages of K and V; full/empty barriers for each buffer of the three rings
             "forward_sm90": 2 * head_dim * (q_buffers * tm + 2 * stages * tn)
@@ -333,7 +333,7 @@ class KernelSpec:
             if self.kernel == "backward_sm90":
                 lines.append(f"#define KV_BUFFERS {fused_kv_buffers(self.padded_head_dim)}")
             if self.kernel == "forward_sm90":
-                lines.append(f"#define Q_BUFFERS {forward_q_buffers(self.padded_head_dim, self.tiles)}")
+                lines.append(f"#define Q_BUFFERS {forward_q_buffers(self.padded_head_dim)}")
             types = {"float16": "f16.f16", "bfloat16": "bf16.bf16"}[self.dtype]
             lines += _wgmma_functions(sorted({tm, tn, self.padded_head_dim}), types)
         return "\n".join(lines) + "\n"

@@ -73,11 +73,8 @@ def test_the_hopper_forward_may_take_wide_tiles(head_dim, wide):
     assert build.WIDE_TILES["forward_sm90"][head_dim] == wide
     assert build.tile_config("forward_sm90", head_dim, wide=True) == wide
     assert build.tile_config("forward_sm90", head_dim) == (128, 128, 12)  # unless cuda._wide_pays asks
-    assert build.tile_config("forward_sm90", head_dim, score=True, wide=True) == (
-        128,
-        128,
-        12,
-    )  # it would spill
+    # Not with a score mod (it would spill) nor with a layout's bit masks.
+    assert build.tile_config("forward_sm90", head_dim, score=True, wide=True) == (128, 128, 12)
     assert build.tile_config("forward_sm90", head_dim, bits=True, wide=True) == (128, 128, 12)
     assert build.tile_config("forward", head_dim, wide=True) == build.tile_config("forward", head_dim)
     names = [s.name for s in build.all_specs()]
@@ -87,9 +84,9 @@ def test_the_hopper_forward_may_take_wide_tiles(head_dim, wide):
     # The next item's Q in a second buffer, but at head dim 128, where 227 KiB hold one beside two K/V
     # buffers of 192 keys or three of 128.
     q_buffers = 1 if head_dim == 128 else 2
+    assert build.forward_q_buffers(head_dim) == q_buffers
     narrow = build.tile_config("forward_sm90", head_dim)
     for tiles, stages in ((wide, 2), (narrow, 3 if head_dim == 128 else 2)):
-        assert build.forward_q_buffers(head_dim, tiles) == q_buffers
         assert build.hopper_stages("forward_sm90", head_dim, tiles) == stages
         prelude = build.KernelSpec.make("forward_sm90", "bfloat16", head_dim, tiles=tiles).prelude()
         assert f"#define Q_BUFFERS {q_buffers}" in prelude and f"#define STAGES {stages}" in prelude
