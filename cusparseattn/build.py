@@ -121,6 +121,15 @@ def forward_q_buffers(head_dim: int) -> int:
     return 1 if head_dim > 64 else 2
 
 
+def forward_split_steps(head_dim: int) -> bool:
+    """Whether the Hopper forward runs a full tile's step in its own copy without the mask (its SPLIT_STEPS):
+    at head dim 128, where ptxas then waits for O += P V partway through the softmax instead of at its top.
+    On an H100 (forward against one copy, two runs of 3 rounds) on dense, causal, local1024 and strided8 at
+    S = 4096 and 16384: x1.00 to x1.04 in one, x0.99 to x1.04 in the other (local1024 S = 16384: x0.99).
+    At head dim 64 the copies ran x0.93 to x1.00 (dense S = 4096 x0.93), so it keeps one."""
+    return head_dim > 64
+
+
 def hopper_stages(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int:
     """A Hopper pass's ring buffers (its STAGES): HOPPER_STAGES, but three for the forward's key tiles of 128
     at head dim 128, whose loads then run a tile further ahead. On an H100 (forward, against two buffers and
@@ -334,6 +343,7 @@ class KernelSpec:
                 lines.append(f"#define KV_BUFFERS {fused_kv_buffers(self.padded_head_dim)}")
             if self.kernel == "forward_sm90":
                 lines.append(f"#define Q_BUFFERS {forward_q_buffers(self.padded_head_dim)}")
+                lines.append(f"#define SPLIT_STEPS {int(forward_split_steps(self.padded_head_dim))}")
             types = {"float16": "f16.f16", "bfloat16": "bf16.bf16"}[self.dtype]
             lines += _wgmma_functions(sorted({tm, tn, self.padded_head_dim}), types)
         return "\n".join(lines) + "\n"

@@ -129,21 +129,40 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             finish_rows(p, none, zeros, b, h, row.q0 + rows, lane);
             continue;
         }
-        // Masks, mods and exponentiates S_i once it has landed; with `behind`, one product issued after S_i
-        // (groups complete in order) may still run.
-        auto softmax_of = [&](int i, bool behind) {
-            const int2 e = p.entries[row.begin + i];
+        // Mods, masks (with `masked`: entry e may be a partial tile) and exponentiates S_i once it has landed;
+        // with `behind`, one product issued after S_i (groups complete in order) may still run.
+        auto softmax_of = [&](int i, int2 e, bool behind, bool masked) {
+            if (!SPLIT_STEPS) e = p.entries[row.begin + i];  // one copy: see step
             const int k0 = e.x * TILE_N;
             // The partial tile's loads and bits are worked out while the tensor cores run.
-            const TileMask<TILE_N> mask(p, e.y, b, h, row.q0, k0, rows, lane);
+            const TileMask<TILE_N> mask = masked ? TileMask<TILE_N>(p, e.y, b, h, row.q0, k0, rows, lane)
+                                                 : TileMask<TILE_N>();
             wgmma_wait_behind(behind);
             fence_operands(sc);
             sh.k_ring.release(uses + i);
             if (i == count - 1) sh.q_ring.release(rows_done);  // the row's last use of Q
             apply_score_mod<false, TILE_N>(p, sc, b, h, TilePos<false>(p, row.q0, k0, rows, lane));
-            mask.hide(p, sc, b, h, row.q0, k0, rows, lane);
+            if (masked) mask.hide(p, sc, b, h, row.q0, k0, rows, lane);
             sm.step(sc, softmax_scale(p), alpha);
         };
+        // Step i >= 1 over entry e. With SPLIT_STEPS (build.forward_split_steps), in two copies (each call
+        // inlined with `masked` a constant): a full tile's has no mask, so no branch parts the wait for S from
+        // the softmax, and ptxas waits for O += P V in the middle of the softmax rather than at the top of the
+        // block after the mask's branch. The entry is then read a step ahead, so that the copy is chosen before
+        // the step's products are issued; one copy reads it in softmax_of, once they are (read ahead, causal
+        // S = 4096 ran x0.97 at head dim 64).
+        auto step = [&](int i, int2 e, bool masked) {
+            take_turn(consumer);
+            issue_scores_of(rows_done, uses + i);
+            issue_output_of(uses + i - 1);  // reads P_{i-1} from pa while S_i goes to sc
+            pass_turn(consumer);
+            softmax_of(i, e, true, masked);
+            wgmma_wait<0>();
+            finish_output_of(uses + i - 1);
+            OnlineSoftmax::rescale(o, alpha);
+            to_a_fragments<TILE_N>(sc, pa);
+        };
+        auto entry = [&](int i) { return i < count ? p.entries[row.begin + i] : make_int2(0, -1); };
 
         // Step i issues S_i = Q K_i^T, then O += P_{i-1} V_{i-1}, and runs the softmax of S_i while the second
         // product is in flight; the output is rescaled once that product has landed. Step 0 issues the last
@@ -166,18 +185,18 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         }
         zero(o);
         sm.init();
-        softmax_of(0, false);  // the output is zero: nothing to rescale
+        int2 next = entry(1);
+        softmax_of(0, entry(0), false, true);  // the output is zero: nothing to rescale
         to_a_fragments<TILE_N>(sc, pa);
         for (int i = 1; i < count; ++i) {
-            take_turn(consumer);
-            issue_scores_of(rows_done, uses + i);
-            issue_output_of(uses + i - 1);  // reads P_{i-1} from pa while S_i goes to sc
-            pass_turn(consumer);
-            softmax_of(i, true);
-            wgmma_wait<0>();
-            finish_output_of(uses + i - 1);
-            OnlineSoftmax::rescale(o, alpha);
-            to_a_fragments<TILE_N>(sc, pa);
+            const int2 e = next;
+            next = entry(i + 1);
+            // One copy with a score mod: its code twice over would double the compile time.
+            if (SCORE_MOD || !SPLIT_STEPS || e.y >= 0) {
+                step(i, e, true);
+            } else {
+                step(i, e, false);
+            }
         }
         last = row;
         ++rows_done;
