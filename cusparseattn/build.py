@@ -130,6 +130,17 @@ def forward_split_steps(head_dim: int) -> bool:
     return head_dim > 64
 
 
+def forward_scaled_max(head_dim: int, tiles: tuple[int, int, int]) -> bool:
+    """Whether the Hopper forward scales its scores before the row max (its SCALED_MAX: a pair at a time,
+    TILE_N / 4 more FMULs a step) instead of scaling the max of the raw scores once, as FlashAttention-4
+    does. H100 forward, the max scaled once against scaled pairs, two runs of 3 rounds: query tiles of 192
+    at head dim 64 (dense and causal at S = 16384) x1.04 / x1.00 and x1.03 / x1.03; head dim 128 x0.96 to
+    x1.03, then x1.00 to x1.01. The narrow tiles at head dim 64 ran x0.95 to x0.99 on all six of their cases,
+    and keep the scaled pairs (a shorter softmax there has run slower before: ncu saw the two consumers'
+    exponentials stall on each other)."""
+    return head_dim == 64 and tiles[0] == 128
+
+
 def hopper_stages(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int:
     """A Hopper pass's ring buffers (its STAGES): HOPPER_STAGES, but three for the forward's key tiles of 128
     at head dim 128, whose loads then run a tile further ahead. On an H100 (forward, against two buffers and
@@ -344,6 +355,8 @@ class KernelSpec:
             if self.kernel == "forward_sm90":
                 lines.append(f"#define Q_BUFFERS {forward_q_buffers(self.padded_head_dim)}")
                 lines.append(f"#define SPLIT_STEPS {int(forward_split_steps(self.padded_head_dim))}")
+                scaled_max = forward_scaled_max(self.padded_head_dim, self.tiles)
+                lines.append(f"#define SCALED_MAX {int(scaled_max)}")
             types = {"float16": "f16.f16", "bfloat16": "bf16.bf16"}[self.dtype]
             lines += _wgmma_functions(sorted({tm, tn, self.padded_head_dim}), types)
         return "\n".join(lines) + "\n"

@@ -143,7 +143,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             if (i == count - 1) sh.q_ring.release(rows_done);  // the row's last use of Q
             apply_score_mod<false, TILE_N>(p, sc, b, h, TilePos<false>(p, row.q0, k0, rows, lane));
             if (masked) mask.hide(p, sc, b, h, row.q0, k0, rows, lane);
-            sm.step(sc, softmax_scale(p), alpha);
+            sm.step<SCALED_MAX>(sc, softmax_scale(p), alpha);
         };
         // Step i >= 1 over entry e. With SPLIT_STEPS (build.forward_split_steps), in two copies (each call
         // inlined with `masked` a constant): a full tile's has no mask, so no branch parts the wait for S from

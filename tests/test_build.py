@@ -92,6 +92,8 @@ def test_the_hopper_forward_may_take_wide_tiles(head_dim, wide):
         assert f"#define Q_BUFFERS {q_buffers}" in prelude and f"#define STAGES {stages}" in prelude
         # A full tile's step in its own copy at head dim 128 only (two copies ran slower at 64).
         assert f"#define SPLIT_STEPS {int(head_dim == 128)}" in prelude
+        # The row max of the raw scores, scaled once, but on the narrow tiles at head dim 64.
+        assert f"#define SCALED_MAX {int(head_dim == 64 and tiles == narrow)}" in prelude
         assert build.shared_bytes("forward_sm90", head_dim, tiles) <= 227 * 1024  # an H100 holds it
 
 
