@@ -664,8 +664,6 @@ struct TileMask {
     bool inside = true, by_rule = false;     // the tile ends before the keys do; the rule decides every cell
 #endif
 
-    // No mask: every score counts.
-    __device__ __forceinline__ TileMask() : pidx(-1) {}
     __device__ __forceinline__ TileMask(const Params& p, int pidx_, int b, int h, int q0, int k0, int row0, int lane)
         : pidx(pidx_) {
         static_assert(COLS <= 256, "a warp's row of cells fits 16 bits");

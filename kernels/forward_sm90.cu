@@ -135,14 +135,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             if (!SPLIT_STEPS) e = p.entries[row.begin + i];  // one copy: see step
             const int k0 = e.x * TILE_N;
             // The partial tile's loads and bits are worked out while the tensor cores run.
-            const TileMask<TILE_N> mask = masked ? TileMask<TILE_N>(p, e.y, b, h, row.q0, k0, rows, lane)
-                                                 : TileMask<TILE_N>();
+            const TileMask<TILE_N> mask(p, masked ? e.y : -1, b, h, row.q0, k0, rows, lane);
             wgmma_wait_behind(behind);
             fence_operands(sc);
             sh.k_ring.release(uses + i);
             if (i == count - 1) sh.q_ring.release(rows_done);  // the row's last use of Q
             apply_score_mod<false, TILE_N>(p, sc, b, h, TilePos<false>(p, row.q0, k0, rows, lane));
-            if (masked) mask.hide(p, sc, b, h, row.q0, k0, rows, lane);
+            mask.hide(p, sc, b, h, row.q0, k0, rows, lane);
             sm.step<SCALED_MAX>(sc, softmax_scale(p), alpha);
         };
         // Step i >= 1 over entry e. With SPLIT_STEPS (build.forward_split_steps), in two copies (each call
