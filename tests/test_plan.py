@@ -145,9 +145,10 @@ def test_work_order_deals_every_row_once_heaviest_first_in_groups(
 ):
     """The persistent kernels' schedule: each (b, h, tile) of the call once (empty rows too), CTA c's items at
     c, c + ctas, ... up to a -1. Read in the order they were dealt (by the time each CTA, taking its
-    items in turn, would start them), the items come in groups of whole (b, h) lines of at least
-    `group_items` items, and inside a group rows with more key tiles first. Each went to a CTA that would be
-    free first. A layout of one batch element or head serves them all."""
+    items in turn, would start them), the items come in groups of whole (b, h) lines, as few as hold them
+    all in as many lines as `group_items` items take at most, their sizes a line apart at most, and inside a
+    group rows with more key tiles first. Each went to a CTA that would be free first. A layout of one
+    batch element or head serves them all."""
     batch, heads = 2, 3
     lb, lh = layout_lines
     blocks = np.random.default_rng(seed).random((lb, lh, tiles_q, 5)) < 0.4
@@ -174,7 +175,11 @@ def test_work_order_deals_every_row_once_heaviest_first_in_groups(
     # makespan: when the last CTA of the deal finishes, from the rows' lengths alone.
     assert plan.makespan(blocks.sum(axis=3), batch, heads, ctas, group_items) == finish.max()
     dealt = sorted(start, key=start.get)  # ties as the deal broke them: the lower CTA first
-    group = line[dealt] // -(-group_items // tiles_q)
+    lines, most = batch * heads, -(-group_items // tiles_q)
+    group_of = np.arange(lines) * -(-lines // most) // lines  # the lines in turn, spread evenly
+    sizes = np.bincount(group_of)
+    assert len(sizes) == -(-lines // most) and sizes.max() - sizes.min() <= 1 and sizes.max() <= most
+    group = group_of[line[dealt]]
     assert (np.diff(group) >= 0).all()
     heavier_first = counts[dealt][:-1] >= counts[dealt][1:]
     assert (heavier_first | (np.diff(group) > 0)).all()
