@@ -1,4 +1,5 @@
-"""Test session setup: GPU tests skip without a GPU, and Hypothesis runs under one reproducible profile.
+"""Test session setup: GPU tests skip without a GPU, Hypothesis runs under one reproducible profile, and the
+JAX tests share two fixtures (JAX on the CPU, float64 for one test).
 
 ``@pytest.mark.gpu`` tests run only where CuPy sees a CUDA GPU (``python -m pytest -m gpu`` on a GPU host);
 elsewhere they skip with the reason. The Hypothesis profile ``ci`` has no deadline (the first call of a kernel
@@ -47,3 +48,27 @@ def pytest_collection_modifyitems(config, items) -> None:
         skip = pytest.mark.skip(reason=NO_GPU)
         for item in gpu_items:
             item.add_marker(skip)
+
+
+# The JAX tests' fixtures: a module takes `jax_on_cpu` for all its tests (pytestmark) and `x64` by name.
+@pytest.fixture
+def jax_on_cpu(request):
+    """CPU tests keep JAX on the CPU also on a GPU host (where JAX's default device is a GPU)."""
+    jax = pytest.importorskip("jax")
+    if request.node.get_closest_marker("gpu"):
+        yield
+    else:
+        with jax.default_device(jax.devices("cpu")[0]):
+            yield
+
+
+@pytest.fixture
+def x64():
+    """JAX with float64 for the duration of one test (it is a process-wide switch)."""
+    jax = pytest.importorskip("jax")
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", previous)

@@ -18,16 +18,7 @@ from cusparseattn.layout import BlockLayout, TokenRule
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
-
-
-@pytest.fixture(autouse=True)
-def jax_on_cpu(request):
-    """CPU tests keep JAX on the CPU also on a GPU host (where JAX's default device is a GPU)."""
-    if request.node.get_closest_marker("gpu"):
-        yield
-    else:
-        with jax.default_device(jax.devices("cpu")[0]):
-            yield
+pytestmark = pytest.mark.usefixtures("jax_on_cpu")
 
 
 def randn(*shape, dtype=np.float32, seed=0):

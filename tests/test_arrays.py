@@ -12,29 +12,9 @@ from cusparseattn.layout import BlockLayout
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
+pytestmark = pytest.mark.usefixtures("jax_on_cpu")
 
 DTYPES = ["float16", "bfloat16", "float32", "float64"]
-
-
-@pytest.fixture(autouse=True)
-def jax_on_cpu(request):
-    """CPU tests keep JAX on the CPU also on a GPU host (where JAX's default device is a GPU)."""
-    if request.node.get_closest_marker("gpu"):
-        yield
-    else:
-        with jax.default_device(jax.devices("cpu")[0]):
-            yield
-
-
-@pytest.fixture
-def x64():
-    """JAX with float64 for the duration of one test (it is a process-wide switch)."""
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", previous)
 
 
 def randn(*shape, dtype="float32", seed=0):

@@ -17,26 +17,7 @@ ca_jax = pytest.importorskip("cusparseattn.jax")
 jnp = jax.numpy
 from jax.test_util import check_grads  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def jax_on_cpu(request):
-    """CPU tests keep JAX on the CPU also on a GPU host (where JAX's default device is a GPU)."""
-    if request.node.get_closest_marker("gpu"):
-        yield
-    else:
-        with jax.default_device(jax.devices("cpu")[0]):
-            yield
-
-
-@pytest.fixture
-def x64():
-    """JAX with float64 for the duration of one test (it is a process-wide switch)."""
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", previous)
+pytestmark = pytest.mark.usefixtures("jax_on_cpu")
 
 
 def arrays_of(B=1, Hq=2, Hkv=2, Sq=24, Sk=24, D=4, dtype=np.float64, seed=0):
