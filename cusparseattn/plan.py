@@ -103,7 +103,8 @@ def _deal(
     most = max(1, -(-group_items // line))
     if even:
         lines = counts.size // line
-        group = np.arange(counts.size) // line * -(-lines // most) // max(lines, 1)
+        groups = -(-lines // most)
+        group = np.arange(counts.size) // line * groups // max(lines, 1)
     else:
         group = np.arange(counts.size) // (most * line)
     order = np.lexsort((-counts, group))
