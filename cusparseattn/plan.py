@@ -73,7 +73,7 @@ def work_order(
     ITEM_COST). Dealt longest-first, the CTAs' totals stay close, and a skewed layout (causal, documents)
     leaves no SM idle at the end. Equal rows keep their order."""
     counts = np.diff(plan.row_ptr).reshape(layout_batch, layout_heads, plan.tiles_q)
-    return _deal(_per_call(counts, batch, heads), plan.tiles_q, group_items, ctas, even=True)[0]
+    return _deal(_per_call(counts, batch, heads), plan.tiles_q, group_items, ctas)[0]
 
 
 def makespan(counts: np.ndarray, batch: int, heads: int, ctas: int, group_items: int = 1) -> float:
@@ -81,7 +81,7 @@ def makespan(counts: np.ndarray, batch: int, heads: int, ctas: int, group_items:
     for `counts` [layout batch, layout heads, tiles_q], the key tiles each row visits (`visits`)."""
     line = counts.shape[2]
     counts = _per_call(counts, batch, heads)
-    start = _deal(counts, line, group_items, ctas, even=True)[1]
+    start = _deal(counts, line, group_items, ctas)[1]
     return float((start + counts + ITEM_COST).max())
 
 
@@ -90,23 +90,21 @@ def _per_call(counts: np.ndarray, batch: int, heads: int) -> np.ndarray:
     return np.broadcast_to(counts, (batch, heads, counts.shape[2])).reshape(-1)
 
 
-def _deal(
-    counts: np.ndarray, line: int, group_items: int, ctas: int, *, even: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """`work_order`'s deal of items of `counts` tiles each, in lines of `line` items: the table, and the time
-    (in tiles) at which each item starts. With `even`, the groups' sizes differ by a line at most: a short
-    last group starts its heavy rows late, after the light ones of the group before (H100 forward, B = 2,
-    H = 16, S = 4096, 32 lines in four groups of 8 against three of 9 and one of 5, two runs of 3 rounds:
-    causal x1.05 / x1.05 at head dim 64 and x1.03 / x1.06 at 128, strided8 x1.03 to x1.05, local1024 x1.02,
-    dense and S = 16384 within noise). Without, groups of the lines that `group_items` items take, the last
-    one what is left."""
+def _deal(counts: np.ndarray, line: int, group_items: int, ctas: int) -> tuple[np.ndarray, np.ndarray]:
+    """The deal of items of `counts` tiles each, in lines of `line` items, longest first within groups of
+    whole lines (as few as hold them all at `group_items` items a group): the table, and the time (in tiles)
+    at which each item starts. The groups' sizes differ by a line at most: a short last group starts its
+    heavy items late, after the light ones of the group before. H100, B = 2, H = 16, against groups of
+    `group_items` and the rest: the forward (S = 4096, 32 lines in four groups of 8 against three of 9 and
+    one of 5, two runs of 3 rounds) causal x1.05 / x1.05 at head dim 64 and x1.03 / x1.06 at 128, strided8
+    x1.03 to x1.05, local1024 x1.02, dense and S = 16384 within noise; the fused backward's columns
+    (forward+backward, S = 4096 and 16384, three runs of 3-4 rounds) strided8 S = 16384 x1.03 / x1.03 /
+    x1.04 at head dim 64 and x1.02 / x1.01 / x1.04 at 128, the rest x0.99 to x1.01 but dense D = 64
+    S = 16384 once x0.96 and causal D = 128 S = 16384 once x1.03."""
     most = max(1, -(-group_items // line))
-    if even:
-        lines = counts.size // line
-        groups = -(-lines // most)
-        group = np.arange(counts.size) // line * groups // max(lines, 1)
-    else:
-        group = np.arange(counts.size) // (most * line)
+    lines = counts.size // line
+    groups = -(-lines // most)
+    group = np.arange(counts.size) // line * groups // max(lines, 1)
     order = np.lexsort((-counts, group))
     queue = [(0, c) for c in range(min(ctas, len(order)))]
     dealt: list[list[int]] = [[] for _ in queue]
@@ -177,7 +175,7 @@ def column_schedule(
     heads_kv = heads // group
     per_head = col_counts.reshape(batch, heads_kv, group, tiles_k)
     items = per_head.sum(axis=2).reshape(-1)
-    table, item_start = _deal(items, tiles_k, group_items, ctas, even=False)
+    table, item_start = _deal(items, tiles_k, group_items, ctas)
     # When the deal expects each visit: its item's start, past the group's earlier heads' visits.
     item = (b * heads_kv + h // group) * tiles_k + k
     earlier = np.cumsum(per_head, axis=2) - per_head
