@@ -147,12 +147,11 @@ def column_schedule(
     into its query tile in an order fixed for that tile, so that the sums come out the same bits every run.
 
     An item is a (b, key/value head, key tile): the columns of the group's `group` query heads in turn. Items
-    are dealt as `work_order` deals rows, into lists fixed before the launch, but in groups of as many
-    lines as `group_items` items take, the last one what is left (groups of even size ran x0.96 to x1.03
-    forward+backward, H100, B = 2, H = 16, S = 4096 and 16384: no gain). A column's walk begins at its
-    diagonal (its first query tile at or past ``tile_k * tiles_q / tiles_k``), so that the columns of one
-    head, which start together, reach each query tile at different steps. A visit's rank orders the adds into
-    its query tile by the time that the deal predicts for the visit, then by the order of the deal.
+    are dealt as `work_order` deals rows (`_deal`: groups of even size), into lists fixed before the launch.
+    A column's walk begins at its diagonal (its first query tile at or past ``tile_k * tiles_q / tiles_k``),
+    so that the columns of one head, which start together, reach each query tile at different steps. A
+    visit's rank orders the adds into its query tile by the time that the deal predicts for the visit, then
+    by the order of the deal.
 
     A visit waits for the adds ranked before it, and its CTA's earlier visits, all of which come earlier in
     that order: the first unfinished visit in it never waits, so the pass cannot deadlock however long each
