@@ -141,6 +141,20 @@ def forward_scaled_max(head_dim: int, tiles: tuple[int, int, int]) -> bool:
     return head_dim == 64 and tiles[0] == 128
 
 
+def paired_descriptors(kernel: str) -> bool:
+    """Whether a Hopper pass pairs the two halves of its wgmma descriptors in PTX (its PAIRED_DESC) instead of
+    joining them with 64-bit arithmetic. Paired, NVRTC moves each product step's descriptors into uniform
+    registers with an add and a move each; joined, it adds with a carry into the high word and or-s that
+    word's fields back in, and in the fused backward at head dim 64 builds them in ordinary registers and
+    copies them over (R2UR) before every HGMMA. The fused backward (with its warpgroup index through a
+    shuffle; its loop 4 % shorter at D = 64, 10 % at 128) against joined halves, H100 forward+backward on
+    dense, causal and local1024 at S = 4096 and 16384, D = 64 and 128, two runs of 4 rounds: ten of the
+    twelve x1.00 to x1.03 in both, dense D = 64 S = 16384 x1.02 and x0.97, causal D = 128 S = 16384 x1.00 and
+    x0.99. The forward keeps them joined: paired, it ran x0.96 (local1024, D = 64) to x1.04 (dense) in two
+    rounds."""
+    return kernel == "backward_sm90"
+
+
 def hopper_stages(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int:
     """A Hopper pass's ring buffers (its STAGES): HOPPER_STAGES, but three for the forward's key tiles of 128
     at head dim 128, whose loads then run a tile further ahead. On an H100 (forward, against two buffers and
@@ -350,6 +364,7 @@ class KernelSpec:
             lines.append(f"#define CSA_SCORE_GRAD(s, b, h, q, k) ({self.score[1]})")
         if self.arch is not None:
             lines.append(f"#define STAGES {hopper_stages(self.kernel, self.padded_head_dim, self.tiles)}")
+            lines.append(f"#define PAIRED_DESC {int(paired_descriptors(self.kernel))}")
             if self.kernel == "backward_sm90":
                 lines.append(f"#define KV_BUFFERS {fused_kv_buffers(self.padded_head_dim)}")
             if self.kernel == "forward_sm90":

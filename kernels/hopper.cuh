@@ -155,7 +155,14 @@ __device__ __forceinline__ unsigned long long smem_desc(const void* p, unsigned 
 // address, in the low word, moves: a product's steps take one add each to a descriptor worked out once.
 __device__ __forceinline__ unsigned long long desc_plus(unsigned long long desc, int elements) {
     const unsigned low = static_cast<unsigned>(desc) + elements * static_cast<unsigned>(sizeof(elem_t)) / 16;
+#if PAIRED_DESC
+    // build.paired_descriptors: the halves paired in PTX, which NVRTC keeps apart in uniform registers.
+    unsigned long long out;
+    asm("mov.b64 %0, {%1, %2};\n" : "=l"(out) : "r"(low), "r"(static_cast<unsigned>(desc >> 32)));
+    return out;
+#else
     return desc >> 32 << 32 | low;
+#endif
 }
 
 // Orders this thread's register accesses before the warpgroup MMAs that follow (accumulators rescaled, A

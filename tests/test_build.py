@@ -95,6 +95,9 @@ def test_the_hopper_forward_may_take_wide_tiles(head_dim, wide):
         # The row max of the raw scores, scaled once, but on the narrow tiles at head dim 64.
         assert f"#define SCALED_MAX {int(head_dim == 64 and tiles == narrow)}" in prelude
         assert build.shared_bytes("forward_sm90", head_dim, tiles) <= 227 * 1024  # an H100 holds it
+        assert "#define PAIRED_DESC 0" in prelude  # descriptor halves joined (paired ran x0.96 to x1.04)
+    # The fused backward pairs them: x1.00 to x1.03 on most cases.
+    assert "#define PAIRED_DESC 1" in build.KernelSpec.make("backward_sm90", "bfloat16", head_dim).prelude()
 
 
 @pytest.mark.parametrize(
