@@ -82,9 +82,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     extern __shared__ unsigned char smem_raw[];
     Shared& sh = aligned_shared<Shared>(smem_raw);
     if (threadIdx.x == 0 && dynamic_smem_size() < SHARED_BYTES) __trap();
-    // Through a shuffle, so that ptxas knows it is the same across a warp: the descriptors of the consumer's
-    // K and V panels then stay in uniform registers (build.paired_descriptors).
-    const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+    const int warpgroup = uniform_warpgroup();  // its K and V panels' descriptors uniform: paired_descriptors
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < KV_BUFFERS; ++s) {

@@ -55,10 +55,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     extern __shared__ unsigned char smem_raw[];
     Shared& sh = aligned_shared<Shared>(smem_raw);
     if (threadIdx.x == 0 && dynamic_smem_size() < SHARED_BYTES) __trap();
-    // Through a shuffle, so that ptxas knows it is the same across a warp: what derives from it (the
-    // descriptor of the consumer's Q rows) then stays in uniform registers, not copied there (R2UR) before
-    // each wgmma: 8 to 16 fewer instructions a step.
-    const int warpgroup = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0);
+    const int warpgroup = uniform_warpgroup();
 
     if (threadIdx.x == 0) {
         sh.q_ring.init(CONSUMERS * 128);

@@ -95,9 +95,16 @@ def test_the_hopper_forward_may_take_wide_tiles(head_dim, wide):
         # The row max of the raw scores, scaled once, but on the narrow tiles at head dim 64.
         assert f"#define SCALED_MAX {int(head_dim == 64 and tiles == narrow)}" in prelude
         assert build.shared_bytes("forward_sm90", head_dim, tiles) <= 227 * 1024  # an H100 holds it
-        assert "#define PAIRED_DESC 0" in prelude  # joined halves: paired ran x0.94-0.97 at D = 64
-    # The fused backward pairs them: x1.00 to x1.03 on most cases.
-    assert "#define PAIRED_DESC 1" in build.KernelSpec.make("backward_sm90", "bfloat16", head_dim).prelude()
+
+
+def test_only_the_fused_backward_pairs_its_descriptor_halves():
+    """build.paired_descriptors: the fused backward pairs its wgmma descriptors' halves in PTX (x1.00 to
+    x1.03 on most cases); the forward (paired, x0.94 to x0.97 at head dim 64) and the two backward passes
+    join them."""
+    for kernel in build.ARCH:
+        for head_dim in build.HOPPER_HEAD_DIMS:
+            prelude = build.KernelSpec.make(kernel, "bfloat16", head_dim).prelude()
+            assert f"#define PAIRED_DESC {int(kernel == 'backward_sm90')}" in prelude
 
 
 @pytest.mark.parametrize(
