@@ -580,7 +580,7 @@ def backward(
     """Launches the backward kernels: writes `dq` [B, Hq, Sq, D], `dk` and `dv` [B, Hkv, Sk, D], and `stats`
     (float32 scratch of `stats_shape(q.shape, device)`, from the first kernel to the later ones).
 
-    Each gradient element is written once by one thread (no atomics), and the fused backward adds dQ's parts
+    Each gradient element is written once (no atomics), and the fused backward adds dQ's parts
     in an order fixed per query tile: the results are bitwise reproducible (unless
     CUSPARSEATTN_DETERMINISTIC=0, when the fused backward adds them as they come).
     """
@@ -619,7 +619,9 @@ class Backward:
                 "the scratch)"
             )
         self.hopper = not hopper_reasons(q, k, v, arrays.get("dout"))
-        fused = self.hopper and fused_backward(head_dim, self.device)
+        # The fused pass writes dK and dV through TMA too: given ones it cannot write take the two passes.
+        writable = not any(_tma_reasons(name, arrays[name]) for name in ("dk", "dv") if name in arrays)
+        fused = self.hopper and writable and fused_backward(head_dim, self.device)
         made = {name: _Like(q.shape, q.dtype) for name in ("out", "dout", "dq")}
         made |= {name: _Like(k.shape, k.dtype) for name in ("dk", "dv")}
         made |= {"lse": _Like(q.shape[:3], "float32"), "stats": _Like(self.stats_shape, "float32")}
@@ -662,7 +664,8 @@ class Backward:
         ctas = min(items, sm_count(self.device))
         group_items = _FUSED_BACKWARD_GROUP * sm_count(self.device)
         columns = tables.columns(batch, heads_q, heads_q // k.shape[1], ctas, group_items)
-        rows = _tma_rows(tiles, _BACKWARD_MAPS)
+        # dK and dV go out as each consumer warpgroup's 64 keys.
+        rows = _tma_rows(tiles, _BACKWARD_MAPS) | dict.fromkeys(("dk", "dv"), 64)
 
         def plain(kernel: str, grid) -> tuple:
             edge_tiles = build.tile_config(kernel, head_dim)

@@ -16,7 +16,9 @@
 //   (p.dq_unordered). An ordered add waits for its reduction to land before the next add may start: two
 //   adders keep two in flight, to different query tiles. backward_dq_convert.cu then scales the sums and
 //   rounds them to the element type.
-// dK and dV are written once per item. Five products per visit, against seven for the dQ and dK/dV passes.
+// dK and dV are written once per item, each consumer's staged in its half of the item's K and V tiles (free once
+// both consumers' last products are in) and copied out by TMA. Five products per visit, against seven for the
+// dQ and dK/dV passes.
 #include "hopper.cuh"
 
 using namespace csa;
@@ -64,7 +66,7 @@ struct alignas(1024) Shared {
     float dq_part[2][TILE_M * HEAD_DIM];  // the visit's share of dQ, as dq_sum lays it out
     float stats[STAGES][2][TILE_M];       // lse * log2(e) and delta of the visit's rows
     Visit visit[VISITS];                  // the visits ahead, for the consumers and the adding threads
-    Barrier kv_full[KV_BUFFERS], kv_empty[KV_BUFFERS];  // K and V of an item; released by every consumer thread
+    Barrier kv_full[KV_BUFFERS], kv_empty[KV_BUFFERS];  // K and V of an item; released once dK and dV are out
     Barrier part_full[2], part_empty[2];  // dq_part: written by the consumers, added by an adding thread
     Barrier visit_full[VISITS];           // visit[i]: written
     Ring<STAGES> q_ring;                  // Q, dO and their statistics
@@ -78,7 +80,8 @@ __device__ __forceinline__ int item_at(const Params& p, int w) { return w < p.wo
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     csa_backward_sm90(const __grid_constant__ Params p, const __grid_constant__ TensorMap q_map,
                       const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map,
-                      const __grid_constant__ TensorMap do_map) {
+                      const __grid_constant__ TensorMap do_map, const __grid_constant__ TensorMap dk_map,
+                      const __grid_constant__ TensorMap dv_map) {
     extern __shared__ unsigned char smem_raw[];
     Shared& sh = aligned_shared<Shared>(smem_raw);
     if (threadIdx.x == 0 && dynamic_smem_size() < SHARED_BYTES) __trap();
@@ -87,7 +90,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     if (threadIdx.x == 0) {
         for (int s = 0; s < KV_BUFFERS; ++s) {
             sh.kv_full[s].init(1);
-            sh.kv_empty[s].init(CONSUMERS * 128);
+            sh.kv_empty[s].init(CONSUMERS);
         }
         for (int s = 0; s < 2; ++s) {
             sh.part_full[s].init(CONSUMERS * 128);
@@ -182,7 +185,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             to_a_fragments<TILE_M>(dpt, ds_frag);
             // dS^T's 64 keys become this consumer's panel of dS; both halves are in before either reads them.
             store_transposed<TILE_M>(ds_frag, sh.ds[buf] + consumer * TILE_M * 64);
-            fence_stores_for_mma();
+            fence_stores_for_async();
             // dV's product needs this consumer's P^T alone: it runs while the other half of dS comes.
             issue_PB<TILE_M>(dv, p_frag, sh.dout[slot]);
             named_barrier(DS_BAR, CONSUMERS * 128);
@@ -205,17 +208,32 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                         *reinterpret_cast<float2*>(part + (chunk * TILE_M + row) * 8 + 2 * t) =
                             make_float2(dq[c][2 * r], dq[c][2 * r + 1]);
                     }
-                fence_stores_for_mma();  // for the bulk reduction that reads them
+                fence_stores_for_async();  // for the bulk reduction that reads them
             }
             sh.part_full[buf].arrive();
             wgmma_wait<0>();
             fence_operands(dv, dk, p_frag, ds_frag);
             sh.q_ring.release(n);
         }
-        sh.kv_empty[kv].arrive();
-        const int hk = visits.hk, row0 = k_tile0 + keys + warp * 16;
-        const float one[2] = {1.f, 1.f}, scale[2] = {p.scale, p.scale};
-        store_rows<HEAD_DIM>(dv, one, p.dv + b * p.dv_sb + hk * p.dv_sh, p.dv_ss, row0, p.seq_k, 0, lane);
-        store_rows<HEAD_DIM>(dk, scale, p.dk + b * p.dk_sb + hk * p.dk_sh, p.dk_ss, row0, p.seq_k, 0, lane);
+        // Both consumers' last products are in (the other's dQ read this one's keys): each stages its dV and dK,
+        // as 64-row tiles, in its half of the V and K tiles, and one thread copies them out and releases the tiles once
+        // the copies have read them. With two K/V buffers the warpgroup goes on to the next item meanwhile;
+        // with one (head dim 128), the next item's copies wait for that read. Against stores of the rows from
+        // registers (H100 fwd+bwd S16384): local1024 x1.03-1.05 at both head dims, where they were a tenth of
+        // the samples; dense and causal x1.00-1.02 at 64, x0.98-0.99 at 128.
+        named_barrier(DS_BAR, CONSUMERS * 128);
+        elem_t* dv_tile = sh.v[kv] + consumer * 64 * HEAD_DIM;
+        elem_t* dk_tile = sh.k[kv] + consumer * 64 * HEAD_DIM;
+        store_tile(dv, 1.f, dv_tile);
+        store_tile(dk, p.scale, dk_tile);
+        fence_stores_for_async();
+        named_barrier(DS_BAR, CONSUMERS * 128);
+        if (threadIdx.x % 128 == 0) {
+            tma_store_tile(dv_map, dv_tile, k_tile0 + keys, visits.hk, b);
+            tma_store_tile(dk_map, dk_tile, k_tile0 + keys, visits.hk, b);
+            bulk_commit();
+            bulk_wait_read();
+            sh.kv_empty[kv].arrive();
+        }
     }
 }

@@ -125,6 +125,23 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned b
                  : "memory");
 }
 
+// Copies a 64-row shared tile (store_tile's) to rows [row0, row0 + 64) of head `head`, batch `batch` of a
+// [B, H, S, D] tensor, through a map of 64-row tiles; rows past the sequence are not written. The issuing
+// thread commits it (bulk_commit) and waits for its read (bulk_wait_read) before the tile is written again.
+__device__ __forceinline__ void tma_store_tile(const TensorMap& map, const elem_t* src, int row0, int head,
+                                               int batch) {
+    asm volatile(
+        "cp.async.bulk.tensor.5d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4, %5}], [%6];\n" ::"l"(
+            reinterpret_cast<unsigned long long>(&map)),
+        "r"(0), "r"(row0), "r"(0), "r"(head), "r"(batch), "r"(smem_address(src))
+        : "memory");
+}
+
+// Closes the bulk copies this thread issued since its last commit into a group.
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until this thread's committed bulk copies have read their shared sources (not until their writes land).
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+
 // The producer's part of a row-walking pass: the K and V tiles (ROWS keys, key/value head hk, batch element b)
 // of each entry of `span` into their rings, the next copy issued as soon as a buffer is free. The rings have
 // been used `first` times before (earlier work items of a persistent CTA).
@@ -247,10 +264,25 @@ __device__ __forceinline__ void to_a_fragments(const float (&acc)[K / 8][4], uns
     }
 }
 
+// stmatrix: a warp's four 8 x 8 blocks of 16-bit elements (frag[j] of each lane: block j in the mma.sync
+// accumulator layout) to shared memory, lane l giving the address of row l % 8 of block l / 8. TRANS writes
+// each block's columns as its rows.
+template <bool TRANS>
+__device__ __forceinline__ void store_matrices(unsigned address, const unsigned (&frag)[4]) {
+    if constexpr (TRANS)
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address),
+                     "r"(frag[0]), "r"(frag[1]), "r"(frag[2]), "r"(frag[3])
+                     : "memory");
+    else
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address),
+                     "r"(frag[0]), "r"(frag[1]), "r"(frag[2]), "r"(frag[3])
+                     : "memory");
+}
+
 // Stores a warpgroup's 64 x N product, as its A fragments (rows: the warpgroup's 64, 16 a warp), transposed
 // into `panel`: a swizzled shared panel of N rows and 64 columns, column c of row n holding element [c][n]. That
-// is the K-major A tile of a product that reduces over the warpgroup's rows (dQ = dS K from dS^T). stmatrix's
-// .trans writes each 8 x 8 block's columns as 16-byte rows, which are the swizzle's chunks.
+// is the K-major A tile of a product that reduces over the warpgroup's rows (dQ = dS K from dS^T). .trans
+// writes each 8 x 8 block's columns as 16-byte rows, which are the swizzle's chunks.
 template <int N>
 __device__ __forceinline__ void store_transposed(const unsigned (&frag)[N / 16][4], elem_t* panel) {
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31;
@@ -259,16 +291,35 @@ __device__ __forceinline__ void store_transposed(const unsigned (&frag)[N / 16][
     for (int kk = 0; kk < N / 16; ++kk) {
         const int row = 16 * kk + 8 * (block >> 1) + i;  // a column of the fragments
         const int chunk = 2 * warp + (block & 1);        // 8 of the warpgroup's rows
-        const unsigned address = smem_address(panel) + row * 128 + ((chunk ^ (row % 8)) * 16);
-        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address),
-                     "r"(frag[kk][0]), "r"(frag[kk][1]), "r"(frag[kk][2]), "r"(frag[kk][3])
-                     : "memory");
+        store_matrices<true>(smem_address(panel) + row * 128 + ((chunk ^ (row % 8)) * 16), frag[kk]);
     }
 }
 
-// Makes this thread's shared-memory stores visible to the warpgroup MMAs (the async proxy) that read them
-// after a barrier.
-__device__ __forceinline__ void fence_stores_for_mma() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Stores a warpgroup's 64 x HEAD_DIM accumulator, each element times `factor`, into `tile`: a 64-row shared
+// tile laid out as a TMA copy lands one ([HEAD_DIM / 64 panels][64 rows][64], swizzled), which tma_store_tile
+// then writes out. Each 8 x 8 block's rows are the swizzle's 16-byte chunks.
+__device__ __forceinline__ void store_tile(const float (&acc)[HEAD_DIM / 8][4], float factor, elem_t* tile) {
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31, block = lane / 8;
+    const int row = warp * 16 + 8 * (block & 1) + lane % 8;  // this lane's row of block `block`
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        const int chunk = 2 * kk + (block >> 1);  // of 8 columns, along the row
+        const unsigned frag[4] = {
+            pack_u32(acc[2 * kk][0] * factor, acc[2 * kk][1] * factor),
+            pack_u32(acc[2 * kk][2] * factor, acc[2 * kk][3] * factor),
+            pack_u32(acc[2 * kk + 1][0] * factor, acc[2 * kk + 1][1] * factor),
+            pack_u32(acc[2 * kk + 1][2] * factor, acc[2 * kk + 1][3] * factor),
+        };
+        store_matrices<false>(
+            smem_address(tile) + (chunk / 8) * 64 * 128 + row * 128 + ((chunk % 8) ^ (row % 8)) * 16, frag);
+    }
+}
+
+// Makes this thread's shared-memory stores visible to the async proxy that reads them after a barrier: the
+// warpgroup MMAs, TMA stores and bulk copies.
+__device__ __forceinline__ void fence_stores_for_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
 
 // acc (64 x N) = A B over K: A a K-major shared tile of 64 rows in panels of 64 columns (store_transposed's),
 // B the first K rows of a shared tile of B_ROWS rows from `b`, read MN-major (N columns: one 64-wide panel, or
@@ -327,7 +378,7 @@ __device__ __forceinline__ void store_release(int* p, int v) {
 // until `counter` reads `rank`, then copies (rank 0) or adds the part in by a bulk TMA reduction, waits for it
 // to land, and sets the counter to rank + 1. Only one CTA writes the tile at a time, in rank order, so every
 // element sums in that order: the same bits every run. `part`'s generic stores must be fenced for the async
-// proxy (fence_stores_for_mma) by the threads that made them.
+// proxy (fence_stores_for_async) by the threads that made them.
 // Not `ordered` (the tile zeroed before: CUSPARSEATTN_DETERMINISTIC=0), every part is added as soon as it
 // comes, as FlashAttention's atomic dQ adds are, and waited for only until it has been read; the L2 adds
 // each element atomically, in the order the parts land, and rank 0 sets the counter to 1 (the tile was
@@ -349,13 +400,13 @@ __device__ __forceinline__ void add_share(float* tile, const float* part, unsign
                      "r"(smem_address(part)), "r"(bytes)
                      : "memory");
     }
-    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    bulk_commit();
     if (ordered) {
         asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
         asm volatile("fence.proxy.async.global;\n" ::: "memory");  // this add, before the counter says so
         store_release(counter, rank + 1);
     } else {
-        asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+        bulk_wait_read();
         if (rank == 0) *counter = 1;
     }
 }

@@ -1,8 +1,9 @@
 // One warpgroup runs the Hopper primitives of kernels/hopper.cuh once, each result written out, so that a
 // failure of a Hopper kernel can be pinned on one of them (tests/test_hopper_probe.py): the TMA copy (the
 // raw, swizzled shared tile of K), S = Q K^T (wgmma from shared memory), O = P V (wgmma with P from
-// registers, V read MN-major), and the dQ product's pieces: X^T = K Q^T stored transposed (stmatrix) as a
-// K-major tile X, then X K with K read MN-major; and, in csa_probe_add_share, the ordered sum of
+// registers, V read MN-major), O / 2 staged as a tile (stmatrix) and written by a TMA store, and the dQ
+// product's pieces: X^T = K Q^T stored transposed (stmatrix) as a K-major tile X, then X K with K read
+// MN-major; and, in csa_probe_add_share, the ordered sum of
 // several CTAs' parts. The test prepends a backward_dkdv_sm90 prelude (its wgmma widths include 64) and hopper.cuh.
 using namespace csa;
 
@@ -24,8 +25,8 @@ __device__ void store_accumulator(const float (&acc)[N / 8][4], float* out) {
 
 extern "C" __global__ void __launch_bounds__(128)
     csa_probe(const __grid_constant__ TensorMap q_map, const __grid_constant__ TensorMap k_map,
-              const __grid_constant__ TensorMap v_map, elem_t* k_raw, float* s_out, float* o_out, elem_t* x_raw,
-              float* xk_out) {
+              const __grid_constant__ TensorMap v_map, const __grid_constant__ TensorMap o_map, elem_t* k_raw,
+              float* s_out, float* o_out, elem_t* x_raw, float* xk_out) {
     extern __shared__ unsigned char smem_raw[];
     ProbeShared& sh = aligned_shared<ProbeShared>(smem_raw);
     if (threadIdx.x == 0) {
@@ -57,6 +58,14 @@ extern "C" __global__ void __launch_bounds__(128)
     fence_operands(o);
     fence_operands(pa);
     store_accumulator<HEAD_DIM>(o, o_out);
+    store_tile(o, 0.5f, sh.v);  // V is read: its first 64 rows' worth take O's tile
+    fence_stores_for_async();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        tma_store_tile(o_map, sh.v, 0, 0, 0);
+        bulk_commit();
+        bulk_wait_read();
+    }
 
     float xt[64 / 8][4];  // K's first 64 rows against Q's 64: the transpose of S's first 64 columns
     issue_ABt<64, TILE_N>(xt, sh.k, sh.q);
@@ -65,7 +74,7 @@ extern "C" __global__ void __launch_bounds__(128)
     unsigned xf[64 / 16][4];
     to_a_fragments<64>(xt, xf);
     store_transposed<64>(xf, sh.x);
-    fence_stores_for_mma();
+    fence_stores_for_async();
     __syncthreads();
     for (int i = threadIdx.x; i < 64 * 64; i += 128) x_raw[i] = sh.x[i];
     float xk[HEAD_DIM / 8][4];
@@ -81,7 +90,7 @@ extern "C" __global__ void __launch_bounds__(128)
     csa_probe_add_share(const float* parts, const int* ranks, float* tile, int* counter, int ordered) {
     __shared__ __align__(128) float part[64 * 64];
     for (int i = threadIdx.x; i < 64 * 64; i += 128) part[i] = parts[blockIdx.x * 64 * 64 + i];
-    fence_stores_for_mma();
+    fence_stores_for_async();
     __syncthreads();
     if (threadIdx.x == 0) add_share(tile, part, sizeof(part), counter, ranks[blockIdx.x], ordered);
 }

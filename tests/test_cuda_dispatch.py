@@ -353,7 +353,8 @@ def test_the_fused_backward_launches_three_passes_over_a_larger_scratch(launches
     name, grid, (threads, _, _), args, shared, maps = fused
     assert name.startswith(f"backward_sm90_bf16_d{head_dim}_q64k128w12") and threads == 384
     assert grid == (5, 1, 1) and shared == build.shared_bytes("backward_sm90", head_dim, (64, 128, 12))
-    assert [m[2][1] for m in maps] == [64, 128, 128, 64]  # q, k, v, dout
+    # q, k, v and dout copied in; dK and dV written out, 64 keys (a consumer warpgroup's) a copy.
+    assert [m[2][1] for m in maps] == [64, 128, 128, 64, 64, 64]
     (tables,) = (t for key, t in cuda._tables[id(layout)].items() if key[:2] == (64, 128))
     # 2 x 2 kv heads x 3 key tiles: 12 items on 5 CTAs, dealt in groups of four items per SM
     columns = tables.columns(2, 4, 2, 5, 4 * 5)
@@ -367,6 +368,12 @@ def test_the_fused_backward_launches_three_passes_over_a_larger_scratch(launches
     cuda.backward(*(held[n] for n in names), layout, 0.1)
     assert [launch[3][0]["dq_unordered"] for launch in launches] == [1, 1, 1]
     monkeypatch.delenv("CUSPARSEATTN_DETERMINISTIC")
+    # A dK that TMA cannot write (its rows 8 bytes off 16) takes the two Hopper passes, which store it
+    # element by element.
+    launches.clear()
+    odd = dict(held, dk=Holder(held["dk"].shape, address=held["dk"].data_ptr + 8, pad=8))
+    cuda.backward(*(odd[n] for n in names), layout, 0.1)
+    assert [launch[0].split("_bf16")[0] for launch in launches] == ["backward_dq_sm90", "backward_dkdv_sm90"]
     # A scratch made under CUSPARSEATTN_FUSED_BACKWARD=0 is too short for the fused pass: refused before any
     # launch.
     launches.clear()

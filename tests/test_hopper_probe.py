@@ -1,6 +1,7 @@
 """The Hopper primitives one at a time (tests/hopper_probe.cu), on an H100/H200: the TMA copy's swizzled
-shared tile, S = Q K^T from shared memory, O = P V with P from registers, and a transposed store followed by
-a product with B read MN-major. When a Hopper kernel fails, these say which piece is wrong."""
+shared tile, S = Q K^T from shared memory, O = P V with P from registers, a staged tile's TMA store, and a
+transposed store followed by a product with B read MN-major. When a Hopper kernel fails, these say which
+piece is wrong."""
 
 from __future__ import annotations
 
@@ -45,9 +46,11 @@ def test_tma_and_both_warpgroup_products(dtype, head_dim):
     # Q has 50 rows: its 64-row box reads 14 rows past the end, which TMA fills with zeros.
     q, k, v = (rng.standard_normal((1, 1, n, head_dim)).astype(np_dtype(dtype)) for n in (50, 128, 128))
     tq, tk, tv = (to_device(x) for x in (q, k, v))
+    # The TMA store's target: 50 rows of a 64-row buffer, so that the 14 rows past them must stay untouched.
+    stored = torch.full((1, 1, 64, head_dim), float("nan"), dtype=tk.dtype, device="cuda")
     maps = [
         tma.tile_map(arrays.wrap(t, name), rows)
-        for t, name, rows in ((tq, "q", 64), (tk, "k", 128), (tv, "v", 128))
+        for t, name, rows in ((tq, "q", 64), (tk, "k", 128), (tv, "v", 128), (stored[:, :, :50], "out", 64))
     ]
     k_raw = torch.full((128 * head_dim,), float("nan"), dtype=tk.dtype, device="cuda")
     s_out = torch.full((64, 128), float("nan"), device="cuda")
@@ -76,6 +79,10 @@ def test_tma_and_both_warpgroup_products(dtype, head_dim):
     o = p @ v[0, 0].astype(np.float64)
     bound = 1e-4 * np.abs(p) @ np.abs(v[0, 0].astype(np.float64)) + 1e-4
     assert np.all(np.abs(to_host(o_out) - o) <= bound), "O = P V (register A, MN-major B)"
+    # Halving is exact: the stored rows are the kernel's own O, halved and rounded once.
+    halved = (to_host(o_out) / 2).astype(np_dtype(dtype))
+    assert np.array_equal(to_host(stored)[0, 0, :50], halved[:50]), "O / 2: staged tile, TMA store"
+    assert np.isnan(to_host(stored)[0, 0, 50:].astype(np.float32)).all(), "the TMA store wrote past the rows"
 
     # X = (K[:64] Q^T)^T = Q K[:64]^T rounded, stored by stmatrix .trans in the swizzled layout of a TMA tile.
     stored = to_host(x_raw).reshape(64, 8, 8)  # row, 16-byte chunk, element
