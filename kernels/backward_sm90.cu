@@ -215,12 +215,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             fence_operands(dv, dk, p_frag, ds_frag);
             sh.q_ring.release(n);
         }
-        // Both consumers' last products are in (the other's dQ read this one's keys): each stages its dV and dK,
-        // as 64-row tiles, in its half of the V and K tiles, and one thread copies them out and releases the tiles once
-        // the copies have read them. With two K/V buffers the warpgroup goes on to the next item meanwhile;
-        // with one (head dim 128), the next item's copies wait for that read. Against stores of the rows from
-        // registers (H100 fwd+bwd S16384): local1024 x1.03-1.05 at both head dims, where they were a tenth of
-        // the samples; dense and causal x1.00-1.02 at 64, x0.98-0.99 at 128.
+        // Both consumers' last products are in (the other's dQ read this one's keys): each stages its dV and
+        // dK, as 64-row tiles, in its half of the V and K tiles, and one thread copies them out and releases
+        // the tiles once the copies have read them. With two K/V buffers the warpgroup goes on to the next item
+        // meanwhile; with one (head dim 128), the next item's copies wait for that read. Against stores of the
+        // rows from registers (H100 fwd+bwd S16384): local1024 x1.03-1.05 at both head dims, where the per-item
+        // code, mostly those stores, was a tenth of the samples; dense and causal x1.00-1.02 at 64, x0.98-0.99
+        // at 128.
         named_barrier(DS_BAR, CONSUMERS * 128);
         elem_t* dv_tile = sh.v[kv] + consumer * 64 * HEAD_DIM;
         elem_t* dk_tile = sh.k[kv] + consumer * 64 * HEAD_DIM;
