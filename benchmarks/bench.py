@@ -25,8 +25,10 @@ Timing: ``triton.testing.do_bench`` (median); forward with warmup 25 ms and rep 
 forward+backward (the forward, then ``out.backward(grad)`` with a fixed random ``grad``; the inputs' ``.grad``
 reset before each call) with warmup 10 ms and rep 50 ms. FLOPs count attended work only: forward
 ``4 * B * H * S * S * D * density``, density being the fraction of 128 x 128 blocks visited; forward+backward
-3.5 times that. Peers, each when importable: FlexAttention (``torch.compile``, Triton backend), SDPA with the
-flash backend (dense and causal only), FlashAttention-4 (``flash_attn.cute``: dense, causal, sliding window);
+3.5 times that. Peers, each when importable: FlexAttention (``torch.compile``, Triton backend), "flexfa4"
+FlexAttention with ``kernel_options={"BACKEND": "FLASH"}`` (its mask compiled into FlashAttention-4: needs
+``flash_attn.cute``), SDPA with the flash backend (dense and causal only), FlashAttention-4
+(``flash_attn.cute``: dense, causal, sliding window);
 on an H100/H200 also "portable", cusparseattn's mma.sync kernels beside its Hopper ones. bf16, B = 2, H = 16.
 """
 
@@ -47,7 +49,7 @@ B, H = 2, 16
 CASES = ["dense", "causal", "local1024", "strided8"]
 PARTS = ["compile", "mods", "cases", "sweep", "memory", "train-memory"]
 # "portable": cusparseattn's mma.sync kernels on a Hopper GPU, beside its Hopper ones (CUSPARSEATTN_HOPPER=0).
-PEERS = ["cusparseattn", "portable", "flex", "sdpa", "fa4"]
+PEERS = ["cusparseattn", "portable", "flex", "flexfa4", "sdpa", "fa4"]
 PASSES = {"fwd": "forward", "fwdbwd": "forward+backward"}
 BACKWARD_FLOPS = 3.5  # forward+backward FLOPs per forward FLOP: 2 matmuls forward, 5 backward
 # Bytes per token that one forward+backward must hold at H = 16, D = 128 (bf16): the saved output, its
@@ -116,7 +118,7 @@ def peers(case: str, q, k, v, names=PEERS) -> tuple[dict, list]:
     import torch.nn.functional as F
 
     out, leaves = {}, [q, k, v]
-    if "flex" in names:
+    if "flex" in names or "flexfa4" in names:
         try:
             from torch.nn.attention.flex_attention import create_block_mask
 
@@ -124,7 +126,12 @@ def peers(case: str, q, k, v, names=PEERS) -> tuple[dict, list]:
             mod = token_rule(case)
             seq = q.shape[2]
             mask = None if mod is None else create_block_mask(mod, None, None, seq, seq, BLOCK_SIZE=128)
-            out["flex"] = lambda: flex(q, k, v, block_mask=mask)
+            if "flex" in names:
+                out["flex"] = lambda: flex(q, k, v, block_mask=mask)
+            if "flexfa4" in names:
+                # Without FlashAttention-4 installed its first call raises: reported as that peer's failure.
+                fa4 = {"BACKEND": "FLASH"}
+                out["flexfa4"] = lambda: flex(q, k, v, block_mask=mask, kernel_options=fa4)
         except Exception as err:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
             print(f"  flex unavailable: {err}")
     if case in ("dense", "causal") and "sdpa" in names:
