@@ -620,7 +620,8 @@ class Backward:
             )
         self.hopper = not hopper_reasons(q, k, v, arrays.get("dout"))
         # The fused pass writes dK and dV through TMA too: given ones it cannot write take the two passes.
-        writable = not any(_tma_reasons(name, arrays[name]) for name in ("dk", "dv") if name in arrays)
+        written = (("dk", arrays.get("dk")), ("dv", arrays.get("dv")))
+        writable = not any(_tma_reasons(name, t) for name, t in written if t is not None)
         fused = self.hopper and writable and fused_backward(head_dim, self.device)
         made = {name: _Like(q.shape, q.dtype) for name in ("out", "dout", "dq")}
         made |= {name: _Like(k.shape, k.dtype) for name in ("dk", "dv")}
