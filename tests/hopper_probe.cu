@@ -3,8 +3,8 @@
 // raw, swizzled shared tile of K), S = Q K^T (wgmma from shared memory), O = P V (wgmma with P from
 // registers, V read MN-major), O / 2 staged as a tile (stmatrix) and written by a TMA store, and the dQ
 // product's pieces: X^T = K Q^T stored transposed (stmatrix) as a K-major tile X, then X K with K read
-// MN-major; and, in csa_probe_add_share, the ordered sum of
-// several CTAs' parts. The test prepends a backward_dkdv_sm90 prelude (its wgmma widths include 64) and hopper.cuh.
+// MN-major; and, in csa_probe_add_share, the ordered sum of several CTAs' parts. The test prepends a
+// backward_dkdv_sm90 prelude (its wgmma widths include 64) and hopper.cuh.
 using namespace csa;
 
 struct alignas(1024) ProbeShared {

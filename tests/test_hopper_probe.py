@@ -47,10 +47,10 @@ def test_tma_and_both_warpgroup_products(dtype, head_dim):
     q, k, v = (rng.standard_normal((1, 1, n, head_dim)).astype(np_dtype(dtype)) for n in (50, 128, 128))
     tq, tk, tv = (to_device(x) for x in (q, k, v))
     # The TMA store's target: 50 rows of a 64-row buffer, so that the 14 rows past them must stay untouched.
-    stored = torch.full((1, 1, 64, head_dim), float("nan"), dtype=tk.dtype, device="cuda")
+    o_stored = torch.full((1, 1, 64, head_dim), float("nan"), dtype=tk.dtype, device="cuda")
     maps = [
         tma.tile_map(arrays.wrap(t, name), rows)
-        for t, name, rows in ((tq, "q", 64), (tk, "k", 128), (tv, "v", 128), (stored[:, :, :50], "out", 64))
+        for t, name, rows in ((tq, "q", 64), (tk, "k", 128), (tv, "v", 128), (o_stored[:, :, :50], "out", 64))
     ]
     k_raw = torch.full((128 * head_dim,), float("nan"), dtype=tk.dtype, device="cuda")
     s_out = torch.full((64, 128), float("nan"), device="cuda")
@@ -81,8 +81,9 @@ def test_tma_and_both_warpgroup_products(dtype, head_dim):
     assert np.all(np.abs(to_host(o_out) - o) <= bound), "O = P V (register A, MN-major B)"
     # Halving is exact: the stored rows are the kernel's own O, halved and rounded once.
     halved = (to_host(o_out) / 2).astype(np_dtype(dtype))
-    assert np.array_equal(to_host(stored)[0, 0, :50], halved[:50]), "O / 2: staged tile, TMA store"
-    assert np.isnan(to_host(stored)[0, 0, 50:].astype(np.float32)).all(), "the TMA store wrote past the rows"
+    o_tile = to_host(o_stored)[0, 0]
+    assert np.array_equal(o_tile[:50], halved[:50]), "O / 2: staged tile, TMA store"
+    assert np.isnan(o_tile[50:].astype(np.float32)).all(), "the TMA store wrote past the rows"
 
     # X = (K[:64] Q^T)^T = Q K[:64]^T rounded, stored by stmatrix .trans in the swizzled layout of a TMA tile.
     stored = to_host(x_raw).reshape(64, 8, 8)  # row, 16-byte chunk, element
