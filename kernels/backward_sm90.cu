@@ -16,9 +16,8 @@
 //   (p.dq_unordered). An ordered add waits for its reduction to land before the next add may start: two
 //   adders keep two in flight, to different query tiles. backward_dq_convert.cu then scales the sums and
 //   rounds them to the element type.
-// dK and dV are written once per item, each consumer's staged in its half of the item's K and V tiles (free once
-// both consumers' last products are in) and copied out by TMA. Five products per visit, against seven for the
-// dQ and dK/dV passes.
+// dK and dV are written once per item, staged in shared memory and copied out by TMA. Five products per visit,
+// against seven for the dQ and dK/dV passes.
 #include "hopper.cuh"
 
 using namespace csa;
@@ -32,6 +31,8 @@ constexpr unsigned STAT_BYTES = TILE_M * sizeof(float);
 constexpr int DS_BAR = 3;  // a named barrier of the consumers (1 and 2 are their turns in the other passes)
 // The head-dim columns of dQ that a consumer's product covers, 64 either way.
 constexpr int DQ_N = 64;
+// One K/V buffer: K and V go back to the producer before dK and dV are out (the end of the item loop).
+constexpr bool KV_FIRST = KV_BUFFERS == 1;
 
 // A visit as the loading thread works it out when it issues the visit's copies: the adding threads keep no
 // walk of their own, and the consumers read its entry from shared memory (from global memory, it stalled the
@@ -163,10 +164,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         const int b = visits.b, k_tile0 = visits.tile_k * TILE_N;
         zero(dk);
         zero(dv);
-        const int kv = items % KV_BUFFERS;
+        const int kv = items % KV_BUFFERS, first = n;
         const elem_t* k_tile = sh.k[kv];
         sh.kv_full[kv].wait((items / KV_BUFFERS) & 1);
-        for (; !visits.done(); visits.next(), ++n) {
+        for (bool more = !visits.done(); more; ++n) {
             sh.visit_full[n % VISITS].wait((n / VISITS) & 1);
             const int2 e = sh.visit[n % VISITS].entry;
             const int h = visits.h(), q0 = e.x * TILE_M, slot = n % STAGES, buf = n % 2;
@@ -213,20 +214,31 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             sh.part_full[buf].arrive();
             wgmma_wait<0>();
             fence_operands(dv, dk, p_frag, ds_frag);
-            sh.q_ring.release(n);
+            if (!KV_FIRST) sh.q_ring.release(n);
+            visits.next();
+            more = !visits.done();
+            if (KV_FIRST && more) sh.q_ring.release(n);  // the item's last slot is held: dK is staged there
         }
-        // Both consumers' last products are in (the other's dQ read this one's keys): each stages its dV and
-        // dK, as 64-row tiles, in its half of the V and K tiles, and one thread copies them out and releases
-        // the tiles once the copies have read them. With two K/V buffers the warpgroup goes on to the next item
-        // meanwhile; with one (head dim 128), the next item's copies wait for that read. Against stores of the
-        // rows from registers (H100 fwd+bwd S16384): local1024 x1.03-1.05 at both head dims, where the per-item
-        // code, mostly those stores, was a tenth of the samples; dense and causal x1.00-1.02 at 64, x0.98-0.99
-        // at 128.
+        // Both consumers' last products are in (the other's dQ read this one's keys): each stages its dV and dK
+        // as 64-row tiles, and one thread copies them out by TMA. With two K/V buffers (head dim 64) they are
+        // staged in this consumer's halves of the item's K and V tiles, released once the copies have read them
+        // (the warpgroup goes on meanwhile: the next item's K and V are in the other buffer). With one (head dim
+        // 128, KV_FIRST) the next item's copies would wait for that read: K and V go back at once, and the tiles
+        // are staged in a dS tile and the item's last Q or dO tile (its slot held), which go back once both
+        // consumers' copies have read them; an item without visits writes zeros from one tile. KV_FIRST against
+        // staging in K and V (H100 fwd+bwd, two runs of 3 rounds): x1.00-1.03 on the eight cases at 128; at
+        // 64, where its end-of-item barriers and held slot only cost, x0.97-0.99 at S = 16384.
         named_barrier(DS_BAR, CONSUMERS * 128);
-        elem_t* dv_tile = sh.v[kv] + consumer * 64 * HEAD_DIM;
-        elem_t* dk_tile = sh.k[kv] + consumer * 64 * HEAD_DIM;
+        if (KV_FIRST && threadIdx.x % 128 == 0) sh.kv_empty[kv].arrive();
+        const bool visited = n > first;
+        const int last = (n + STAGES - 1) % STAGES;  // the slot of visit n - 1
+        elem_t* dv_tile = KV_FIRST ? sh.ds[consumer] : sh.v[kv] + consumer * 64 * HEAD_DIM;
+        elem_t* dk_tile = !KV_FIRST  ? sh.k[kv] + consumer * 64 * HEAD_DIM
+                          : !visited ? dv_tile
+                          : consumer == 0 ? sh.q[last]
+                                          : sh.dout[last];
         store_tile(dv, 1.f, dv_tile);
-        store_tile(dk, p.scale, dk_tile);
+        if (!KV_FIRST || visited) store_tile(dk, p.scale, dk_tile);
         fence_stores_for_async();
         named_barrier(DS_BAR, CONSUMERS * 128);
         if (threadIdx.x % 128 == 0) {
@@ -234,7 +246,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             tma_store_tile(dk_map, dk_tile, k_tile0 + keys, visits.hk, b);
             bulk_commit();
             bulk_wait_read();
-            sh.kv_empty[kv].arrive();
+            if (!KV_FIRST) sh.kv_empty[kv].arrive();
+        }
+        if (KV_FIRST) {
+            named_barrier(DS_BAR, CONSUMERS * 128);
+            if (visited) sh.q_ring.release(n - 1);
         }
     }
 }
