@@ -127,12 +127,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             continue;
         }
         // Mods, masks (with `masked`: entry e may be a partial tile) and exponentiates S_i once it has landed;
-        // with `behind`, one product issued after S_i (groups complete in order) may still run.
-        auto softmax_of = [&](int i, int2 e, bool behind, bool masked) {
+        // with `behind`, one product issued after S_i (groups complete in order) may still run. `ready`: the
+        // tile's mask, worked out before (step 0).
+        auto softmax_of = [&](int i, int2 e, bool behind, bool masked, const TileMask<TILE_N>* ready = nullptr) {
             if (!SPLIT_STEPS) e = p.entries[row.begin + i];  // one copy: see step
             const int k0 = e.x * TILE_N;
             // The partial tile's loads and bits are worked out while the tensor cores run.
-            const TileMask<TILE_N> mask(p, masked ? e.y : -1, b, h, row.q0, k0, rows, lane);
+            const TileMask<TILE_N> mask =
+                ready ? *ready : TileMask<TILE_N>(p, masked ? e.y : -1, b, h, row.q0, k0, rows, lane);
             wgmma_wait_behind(behind);
             fence_operands(sc);
             sh.k_ring.release(uses + i);
@@ -159,6 +161,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             to_a_fragments<TILE_N>(sc, pa);
         };
         auto entry = [&](int i) { return i < count ? p.entries[row.begin + i] : make_int2(0, -1); };
+        // Step 0's entry and mask, and the next entry. With SPLIT_STEPS (head dim 128) they are loaded before the
+        // last row goes out, whose stores would hold them back (ncu, local1024: waits on these loads at each
+        // row's start). Against loading them after (H100 forward, two runs of 3 rounds): local1024 and strided8
+        // at S = 4096 x1.02 in both, local1024 S = 16384 x1.02 and x1.01, dense x0.99 to x1.01, causal and
+        // strided8 S = 16384 x0.97 to x1.02. At head dim 64 the narrow tiles ran dense and causal S = 4096 x0.97
+        // so (local1024 x1.03): they load them after, as before.
+        const int2 first = SPLIT_STEPS ? entry(0) : int2{};
+        int2 next = SPLIT_STEPS ? entry(1) : int2{};
+        const TileMask<TILE_N> first_mask(p, SPLIT_STEPS ? first.y : -1, b, h, row.q0, first.x * TILE_N, rows, lane);
 
         // Step i issues S_i = Q K_i^T, then O += P_{i-1} V_{i-1}, and runs the softmax of S_i while the second
         // product is in flight; the output is rescaled once that product has landed. Step 0 issues the last
@@ -181,8 +192,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         }
         zero(o);
         sm.init();
-        int2 next = entry(1);
-        softmax_of(0, entry(0), false, true);  // the output is zero: nothing to rescale
+        // The output is zero: nothing to rescale.
+        if (SPLIT_STEPS) {
+            softmax_of(0, first, false, true, &first_mask);
+        } else {
+            next = entry(1);
+            softmax_of(0, entry(0), false, true);
+        }
         to_a_fragments<TILE_N>(sc, pa);
         for (int i = 1; i < count; ++i) {
             const int2 e = next;
