@@ -1,8 +1,8 @@
 """Small forward and backward cases for compute-sanitizer (run by tests/run_sanitizer.sh on a GPU host,
 not by pytest).
 
-Each case covers one path of the kernel: full tiles, C-expression masks, bit masks, empty rows, ragged
-lengths, GQA, [B, S, H, D] strides, head dims that are padded (40) or kept in shared memory (256), and
+Each case covers one path of the kernel: full tiles, C-expression masks, bit masks, empty rows and key tiles,
+ragged lengths, GQA, [B, S, H, D] strides, head dims that are padded (40) or kept in shared memory (256), and
 persistent kernels' CTAs that take many work items in turn.
 """
 
@@ -19,6 +19,7 @@ def random_layout(seq: int) -> BlockLayout:
     rng = np.random.default_rng(0)
     blocks = rng.random((2, 4, -(-seq // 32), -(-seq // 32))) < 0.4
     blocks[..., 1, :] = False  # an empty row
+    blocks[..., 4:8] = False  # keys 128-255, the Hopper backward's second key tile: an item without visits
     rule = TokenRule("mod3", lambda b, h, q, k: (q + k) % 3 != 0)
     return BlockLayout(blocks, block_size=32, seq_q=seq, partial=blocks, rule=rule)
 
@@ -35,6 +36,8 @@ CASES = [
     ("random bits fp16 d256", torch.float16, 256, 4, 200, None),
     # The Hopper kernels' empty rows: a persistent CTA writes one while the row before it is still in flight.
     ("random bits bf16 d64", torch.bfloat16, 64, 1, 200, None),
+    # The fused backward at head dim 128 stages an empty key tile's zeros apart from its K and V.
+    ("random bits bf16 d128", torch.bfloat16, 128, 2, 300, None),
 ]
 
 
