@@ -251,17 +251,21 @@ __device__ __forceinline__ void issue_PB(float (&acc)[HEAD_DIM / 8][4], const un
     wgmma_commit();
 }
 
-// An fp32 accumulator (64 x K) as the A fragments of a product with it: the C layout of two adjacent 8-column
-// tiles is the A layout of one 16-deep step.
+// Columns [16 kk, 16 kk + 16) of an fp32 accumulator (64 x K), each element times `factor`, as the A fragment
+// of one 16-deep step: the C layout of two adjacent 8-column tiles is the A layout of that step.
+template <int K>
+__device__ __forceinline__ void a_fragment(const float (&acc)[K / 8][4], int kk, float factor, unsigned (&frag)[4]) {
+    frag[0] = pack_u32(acc[2 * kk][0] * factor, acc[2 * kk][1] * factor);
+    frag[1] = pack_u32(acc[2 * kk][2] * factor, acc[2 * kk][3] * factor);
+    frag[2] = pack_u32(acc[2 * kk + 1][0] * factor, acc[2 * kk + 1][1] * factor);
+    frag[3] = pack_u32(acc[2 * kk + 1][2] * factor, acc[2 * kk + 1][3] * factor);
+}
+
+// An fp32 accumulator (64 x K) as the A fragments of a product with it.
 template <int K>
 __device__ __forceinline__ void to_a_fragments(const float (&acc)[K / 8][4], unsigned (&pa)[K / 16][4]) {
 #pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
-        pa[kk][0] = pack_u32(acc[2 * kk][0], acc[2 * kk][1]);
-        pa[kk][1] = pack_u32(acc[2 * kk][2], acc[2 * kk][3]);
-        pa[kk][2] = pack_u32(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
-        pa[kk][3] = pack_u32(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
-    }
+    for (int kk = 0; kk < K / 16; ++kk) a_fragment<K>(acc, kk, 1.f, pa[kk]);
 }
 
 // stmatrix: a warp's four 8 x 8 blocks of 16-bit elements (frag[j] of each lane: block j in the mma.sync
@@ -304,12 +308,8 @@ __device__ __forceinline__ void store_tile(const float (&acc)[HEAD_DIM / 8][4], 
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
         const int chunk = 2 * kk + (block >> 1);  // of 8 columns, along the row
-        const unsigned frag[4] = {
-            pack_u32(acc[2 * kk][0] * factor, acc[2 * kk][1] * factor),
-            pack_u32(acc[2 * kk][2] * factor, acc[2 * kk][3] * factor),
-            pack_u32(acc[2 * kk + 1][0] * factor, acc[2 * kk + 1][1] * factor),
-            pack_u32(acc[2 * kk + 1][2] * factor, acc[2 * kk + 1][3] * factor),
-        };
+        unsigned frag[4];
+        a_fragment<HEAD_DIM>(acc, kk, factor, frag);
         store_matrices<false>(
             smem_address(tile) + (chunk / 8) * 64 * 128 + row * 128 + ((chunk % 8) ^ (row % 8)) * 16, frag);
     }
