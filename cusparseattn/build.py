@@ -61,9 +61,10 @@ TILES = {
     "forward_sm90": {128: [(128, 128, 12)]},
     "backward_dq_sm90": {64: [(128, 128, 12), (128, 64, 12)], 128: [(128, 64, 12)]},
     "backward_dkdv_sm90": {128: [(64, 128, 12)]},
-    # The fused backward (dK, dV and dQ in one pass, dQ summed in a fixed order): 64 queries a visit, two
-    # consumers of 64 keys; and its first and last passes, over query tiles of its size.
-    "backward_sm90": {128: [(64, 128, 12)]},
+    # The fused backward (dK, dV and dQ in one pass, dQ summed in a fixed order): two consumers of 64 keys,
+    # 128 queries a visit at head dim 64 (64 with a score mod: MAX_TILES), 64 at 128; and its first and last
+    # passes, over query tiles of its size (edge_tiles).
+    "backward_sm90": {64: [(128, 128, 12), (64, 128, 12)], 128: [(64, 128, 12)]},
     "backward_stats": {128: [(64, 64, 4)]},
     "backward_dq_convert": {128: [(64, 64, 4)]},
 }
@@ -96,9 +97,14 @@ WIDE_TILE_COST = {64: 1.38, 128: 1.44}
 # x0.44-0.61 of 128 x 128; causal 0.2-1.0): key tiles of 192 cross blocks of 128 in two of every three
 # tiles, and with one Q buffer a short row waits for its Q.
 WIDE_PARTIAL_COST = {64: 0.2, 128: 1.0}
-# The dQ passes keep more beside the scores and dO V^T with a score mod (its derivative's arithmetic) or with
-# a layout's bit masks (their words): key tiles of 128 then spill at head dim 64, so they take the next tiles.
-MAX_TILE_N = {"backward_dq": {"score": 64}, "backward_dq_sm90": {"bits": 64, "score": 64}}
+# The largest (TILE_M, TILE_N) of a pass with a score mod or a layout's bit masks, which keep more beside the
+# scores: the dQ passes' key tiles of 128 spill at head dim 64 with the mod's derivative or the masks' words,
+# and the fused backward's visits of 128 queries (head dim 64) with a score mod.
+MAX_TILES = {
+    "backward_dq": {"score": (256, 64)},
+    "backward_dq_sm90": {"bits": (256, 64), "score": (256, 64)},
+    "backward_sm90": {"score": (64, 256)},
+}
 
 
 def pad_head_dim(head_dim: int) -> int:
@@ -107,11 +113,18 @@ def pad_head_dim(head_dim: int) -> int:
     return -(-head_dim // 16) * 16
 
 
-def fused_kv_buffers(head_dim: int) -> int:
-    """The fused backward's buffers of K and V (its KV_BUFFERS): two at head dim 64, so that an item's
-    copies, and its first visits' Q and dO behind them, start while the item before runs (short columns,
-    local1024, wait for them otherwise); at 128 its shared memory holds one."""
-    return 2 if head_dim <= 64 else 1
+def fused_kv_buffers(head_dim: int, tiles: tuple[int, int, int]) -> int:
+    """The fused backward's buffers of K and V (its KV_BUFFERS): two at head dim 64 with visits of 64
+    queries, so that an item's copies, and its first visits' Q and dO behind them, start while the item before
+    runs (short columns, local1024, wait for them otherwise); one at 128, or with visits of 128 queries, where
+    its shared memory holds no more."""
+    return 2 if head_dim <= 64 and tiles[0] <= 64 else 1
+
+
+def edge_tiles(fused: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The tiles of the fused backward's first and last passes (PLAIN), which address its dQ sums and counters
+    by its query tiles: those of the fused pass's tiles `fused`, a warp for each 16."""
+    return fused[0], 64, fused[0] // 16
 
 
 def forward_q_buffers(head_dim: int) -> int:
@@ -188,15 +201,15 @@ def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int
             "backward_dkdv_sm90": 2 * head_dim * (2 * tn + 2 * stages * tm)
             + stages * 2 * 4 * tm
             + barrier * (1 + 2 * stages),
-            # as the dK/dV pass's (K and V fused_kv_buffers times), and two dS tiles, two fp32 dQ shares,
-            # eight 16-byte Visits; barriers: K and V full and empty, the shares' full and empty, the Visits',
-            # the ring's
-            "backward_sm90": 2 * head_dim * (2 * fused_kv_buffers(head_dim) * tn + 2 * stages * tm)
-            + 2 * 2 * tm * tn
+            # as the dK/dV pass's (K and V fused_kv_buffers times), and dS tiles (two of 64 queries, one of
+            # 128), two fp32 dQ shares, eight 16-byte Visits; barriers: K and V full and empty, the shares'
+            # full and empty, the Visits', the ring's
+            "backward_sm90": 2 * head_dim * (2 * fused_kv_buffers(head_dim, tiles) * tn + 2 * stages * tm)
+            + 2 * (2 if tm == 64 else 1) * tm * tn
             + 2 * 4 * tm * head_dim
             + stages * 2 * 4 * tm
             + 8 * 16
-            + barrier * (2 * fused_kv_buffers(head_dim) + 4 + 8 + 2 * stages),
+            + barrier * (2 * fused_kv_buffers(head_dim, tiles) + 4 + 8 + 2 * stages),
         }[kernel]
         return -(-payload // 1024) * 1024 + 1024
     if kernel == "backward_dq":  # Q and dO, two stages of K and V
@@ -222,11 +235,13 @@ def tile_config(
     if wide and tiles and not (score or bits) and shared_bytes(kernel, head_dim, tiles) <= max_shared:
         return tiles
     needs = {"score": score, "bits": bits}
-    max_n = min((n for need, n in MAX_TILE_N.get(kernel, {}).items() if needs[need]), default=1 << 30)
+    limits = [limit for need, limit in MAX_TILES.get(kernel, {}).items() if needs[need]]
+    max_m, max_n = (min((limit[i] for limit in limits), default=1 << 30) for i in (0, 1))
     for limit, candidates in sorted(TILES[kernel].items()):
         if padded <= limit:
             for tiles in candidates:
-                if shared_bytes(kernel, head_dim, tiles) <= max_shared and tiles[1] <= max_n:
+                fits = tiles[0] <= max_m and tiles[1] <= max_n
+                if fits and shared_bytes(kernel, head_dim, tiles) <= max_shared:
                     return tiles
             raise ValueError(
                 f"no {kernel} tiles for head dim {head_dim} fit {max_shared} bytes of shared memory per block"
@@ -367,7 +382,7 @@ class KernelSpec:
             lines.append(f"#define STAGES {hopper_stages(self.kernel, self.padded_head_dim, self.tiles)}")
             lines.append(f"#define PAIRED_DESC {int(paired_descriptors(self.kernel))}")
             if self.kernel == "backward_sm90":
-                lines.append(f"#define KV_BUFFERS {fused_kv_buffers(self.padded_head_dim)}")
+                lines.append(f"#define KV_BUFFERS {fused_kv_buffers(self.padded_head_dim, self.tiles)}")
             if self.kernel == "forward_sm90":
                 lines.append(f"#define Q_BUFFERS {forward_q_buffers(self.padded_head_dim)}")
                 lines.append(f"#define SPLIT_STEPS {int(forward_split_steps(self.padded_head_dim))}")
@@ -515,7 +530,13 @@ def all_specs() -> list[KernelSpec | RuleSpec]:
     specs = []
     for kernel, table in TILES.items():
         if kernel in PLAIN:
-            specs += [KernelSpec.make(kernel, dtype, d) for dtype in DTYPES for d in HOPPER_HEAD_DIMS]
+            edges = sorted({edge_tiles(t) for ts in TILES["backward_sm90"].values() for t in ts})
+            specs += [
+                KernelSpec.make(kernel, dt, d, tiles=t)
+                for t in edges
+                for dt in DTYPES
+                for d in HOPPER_HEAD_DIMS
+            ]
             continue
         for d in HOPPER_HEAD_DIMS if kernel in ARCH else (32, 64, 96, 128, 256):
             specs += [KernelSpec.make(kernel, "bfloat16", d, mode, expr) for mode, expr in rules]

@@ -669,8 +669,8 @@ class Backward:
         rows = _tma_rows(tiles, _BACKWARD_MAPS) | dict.fromkeys(("dk", "dv"), 64)
 
         def plain(kernel: str, grid) -> tuple:
-            edge_tiles = build.tile_config(kernel, head_dim)
-            return _pass(kernel, grid, tables, None, scale, edge_tiles, q=q, k=k, unordered=unordered), {}
+            edges = build.edge_tiles(tiles)
+            return _pass(kernel, grid, tables, None, scale, edges, q=q, k=k, unordered=unordered), {}
 
         fused = _pass(
             "backward_sm90", (ctas, 1, 1), tables, score, scale, tiles, columns, q=q, k=k, unordered=unordered

@@ -9,7 +9,9 @@
 // - Each consumer warpgroup owns 64 keys: S^T = K Q^T and dP^T = V dO^T, P^T and dS^T in registers,
 //   dV += P^T dO and dK += dS^T Q (as backward_dkdv_sm90.cu does), and dS^T stored transposed as its half of
 //   a shared dS tile. Then the visit's share of dQ, dS K over the tile's keys: each consumer takes half the
-//   head dim (128), or the consumers take the visits in turn (64). The share goes to a shared fp32 buffer.
+//   head dim (128: visits of 64 queries) or half the queries (64: visits of 128, as FlashAttention-3/4), or
+//   the consumers take the visits in turn (64 with a score mod: visits of 64). The share goes to a shared
+//   fp32 buffer.
 // - Two adding threads (warps 1 and 2 of the producer, the even and the odd visits) add those shares into the
 //   query tile's fp32 sum in the scratch by bulk TMA reductions, in the order the schedule ranks the adds into
 //   each query tile (add_share: one CTA at a time, so the same bits every run), or as they come
@@ -23,14 +25,24 @@
 using namespace csa;
 
 static_assert(TILE_N == CONSUMERS * 64, "two 64-key consumers");
-static_assert(TILE_M == 64, "a visit's dS is one 64-row wgmma A tile");
+static_assert(TILE_M == 64 || TILE_M == 128, "a visit's dS is one or two 64-row wgmma A tiles");
 
 constexpr unsigned KV_BYTES = TILE_N * HEAD_DIM * sizeof(elem_t);
 constexpr unsigned Q_BYTES = TILE_M * HEAD_DIM * sizeof(elem_t);
 constexpr unsigned STAT_BYTES = TILE_M * sizeof(float);
 constexpr int DS_BAR = 3;  // a named barrier of the consumers (1 and 2 are their turns in the other passes)
-// The head-dim columns of dQ that a consumer's product covers, 64 either way.
-constexpr int DQ_N = 64;
+// A visit's share of dQ in 64 x 64 blocks (query rows by head-dim columns): one for each consumer (64 queries
+// at head dim 128: half the columns each; 128 queries at 64: half the rows each), or one that the consumers
+// take in turn (64 queries at 64).
+constexpr int DQ_N = 64, DQ_BLOCKS = TILE_M / 64 * (HEAD_DIM / DQ_N);
+static_assert(DQ_BLOCKS == 1 || DQ_BLOCKS == CONSUMERS, "a block of dQ for each consumer, or one in turn");
+// dS tiles: two at 64 queries, so that a consumer may store the next visit's half while the other's dQ
+// product still reads this one; one at 128 (227 KiB hold no more), stored once both consumers' dQ products
+// of the visit before are in.
+constexpr int DS_BUFFERS = TILE_M == 64 ? 2 : 1;
+// A partial visit's mask: at 64 queries its bits are worked out while the products run; at 128 they spill
+// beside the scores, and P^T and dS^T are zeroed where it hides them once they are made.
+constexpr bool LATE_MASK = TILE_M == 128;
 // One K/V buffer: K and V go back to the producer before dK and dV are out (the end of the item loop).
 constexpr bool KV_FIRST = KV_BUFFERS == 1;
 
@@ -63,7 +75,7 @@ struct alignas(1024) Shared {
     elem_t v[KV_BUFFERS][TILE_N * HEAD_DIM];
     elem_t q[STAGES][TILE_M * HEAD_DIM];
     elem_t dout[STAGES][TILE_M * HEAD_DIM];
-    elem_t ds[2][TILE_M * TILE_N];         // dS of a visit: [key panel][query][64 keys], swizzled
+    elem_t ds[DS_BUFFERS][TILE_M * TILE_N];  // dS of a visit: [key panel][query][64 keys], swizzled
     float dq_part[2][TILE_M * HEAD_DIM];  // the visit's share of dQ, as dq_sum lays it out
     float stats[STAGES][2][TILE_M];       // lse * log2(e) and delta of the visit's rows
     Visit visit[VISITS];                  // the visits ahead, for the consumers and the adding threads
@@ -170,31 +182,46 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         for (bool more = !visits.done(); more; ++n) {
             sh.visit_full[n % VISITS].wait((n / VISITS) & 1);
             const int2 e = sh.visit[n % VISITS].entry;
-            const int h = visits.h(), q0 = e.x * TILE_M, slot = n % STAGES, buf = n % 2;
+            const int h = visits.h(), q0 = e.x * TILE_M, slot = n % STAGES, buf = n % 2, ds = n % DS_BUFFERS;
             sh.q_ring.wait(n);
             issue_ABt<TILE_M, TILE_N>(st, k_tile + keys * 64, sh.q[slot]);
             issue_ABt<TILE_M, TILE_N>(dpt, sh.v[kv] + keys * 64, sh.dout[slot]);
-            // The partial tile's mask is worked out while the tensor cores run.
-            const auto keep = mask_bits<true, TILE_M>(p, e.y, b, h, q0, k_tile0, keys + warp * 16, lane);
+            ElementBits<TILE_M> keep;
+            if (!LATE_MASK) keep = mask_bits<true, TILE_M>(p, e.y, b, h, q0, k_tile0, keys + warp * 16, lane);
             const float* lse2 = sh.stats[slot][STAT_LSE2];
             const float* delta = sh.stats[slot][STAT_DELTA];
+            // S^T lands first: P^T is made while dP^T's product runs (not with a score mod, whose derivative
+            // needs both).
+            const bool partial = !LATE_MASK && e.y >= 0;
+            wgmma_wait<1>();
+            fence_operands(st);
+            if (!SCORE_MOD) transposed_probs<TILE_M>(st, lse2, partial, keep, scale_log2, t);
             wgmma_wait<0>();
-            fence_operands(st, dpt);
-            transposed_scores_to_ds<TILE_M>(p, st, dpt, lse2, delta, e.y >= 0, keep, scale_log2, b, h,
-                                            TilePos<true>(p, q0, k_tile0, keys + warp * 16, lane), t);
+            fence_operands(dpt);
+            if (SCORE_MOD)
+                transposed_scores_to_ds<TILE_M>(p, st, dpt, lse2, delta, partial, keep, scale_log2, b, h,
+                                                TilePos<true>(p, q0, k_tile0, keys + warp * 16, lane), t);
+            else
+                transposed_ds<TILE_M>(st, dpt, delta, t);
+            if (LATE_MASK && e.y >= 0)
+                zero_hidden<TILE_M>(st, dpt, mask_bits<true, TILE_M>(p, e.y, b, h, q0, k_tile0, keys + warp * 16, lane));
             to_a_fragments<TILE_M>(st, p_frag);
             to_a_fragments<TILE_M>(dpt, ds_frag);
             // dS^T's 64 keys become this consumer's panel of dS; both halves are in before either reads them.
-            store_transposed<TILE_M>(ds_frag, sh.ds[buf] + consumer * TILE_M * 64);
+            if (DS_BUFFERS == 1) named_barrier(DS_BAR, CONSUMERS * 128);
+            store_transposed<TILE_M>(ds_frag, sh.ds[ds] + consumer * TILE_M * 64);
             fence_stores_for_async();
             // dV's product needs this consumer's P^T alone: it runs while the other half of dS comes.
             issue_PB<TILE_M>(dv, p_frag, sh.dout[slot]);
             named_barrier(DS_BAR, CONSUMERS * 128);
-            // dQ's share: head-dim columns [dq_col, dq_col + 64), by this consumer on this visit or not at all.
-            // It is issued before dK's product, and goes out to its adding thread while that one runs.
-            const bool mine = HEAD_DIM == 2 * DQ_N || (n & 1) == consumer;
-            const int dq_col = HEAD_DIM == 2 * DQ_N ? consumer * DQ_N : 0;
-            if (mine) issue_AB<DQ_N, TILE_N, TILE_N>(dq, sh.ds[buf], k_tile + dq_col * TILE_N);
+            // dQ's share: query rows [dq_row, dq_row + 64) by head-dim columns [dq_col, dq_col + 64), by this
+            // consumer on this visit or not at all. It is issued before dK's product, and goes out to its adding
+            // thread while that one runs.
+            const bool mine = DQ_BLOCKS == CONSUMERS || (n & 1) == consumer;
+            const int block = DQ_BLOCKS == CONSUMERS ? consumer : 0;
+            const int dq_row = block / (HEAD_DIM / DQ_N) * 64, dq_col = block % (HEAD_DIM / DQ_N) * DQ_N;
+            if (mine)
+                issue_AB<DQ_N, TILE_N, TILE_M, TILE_N>(dq, sh.ds[ds] + dq_row * 64, k_tile + dq_col * TILE_N);
             issue_PB<TILE_M>(dk, ds_frag, sh.q[slot]);
             sh.part_empty[buf].wait(((n / 2) & 1) ^ 1);
             wgmma_wait<1>();
@@ -205,7 +232,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 for (int c = 0; c < DQ_N / 8; ++c)
 #pragma unroll
                     for (int r = 0; r < 2; ++r) {
-                        const int row = warp * 16 + g + 8 * r, chunk = dq_col / 8 + c;
+                        const int row = dq_row + warp * 16 + g + 8 * r, chunk = dq_col / 8 + c;
                         *reinterpret_cast<float2*>(part + (chunk * TILE_M + row) * 8 + 2 * t) =
                             make_float2(dq[c][2 * r], dq[c][2 * r + 1]);
                     }
@@ -232,7 +259,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         if (KV_FIRST && threadIdx.x % 128 == 0) sh.kv_empty[kv].arrive();
         const bool visited = n > first;
         const int last = (n + STAGES - 1) % STAGES;  // the slot of visit n - 1
-        elem_t* dv_tile = KV_FIRST ? sh.ds[consumer] : sh.v[kv] + consumer * 64 * HEAD_DIM;
+        elem_t* dv_tile = (KV_FIRST ? sh.ds[0] : sh.v[kv]) + consumer * 64 * HEAD_DIM;
         elem_t* dk_tile = !KV_FIRST  ? sh.k[kv] + consumer * 64 * HEAD_DIM
                           : !visited ? dv_tile
                           : consumer == 0 ? sh.q[last]

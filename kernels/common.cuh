@@ -785,10 +785,32 @@ __device__ __forceinline__ void scores_to_ds(float (&s)[COLS / 8][4], const floa
         }
 }
 
-// The dK/dV passes' P^T and dS^T in place of S^T and dP^T (a warp's 16 keys by COLS queries, whose lse2 and
-// delta lie in shared memory), once those have landed: the score mod, the partial tile's mask (keep: its
-// mask_bits, worked out while the products ran), then P^T = exp2(S^T * scale_log2 - lse2) and dS^T. t: the
-// thread's place in its quad (lane & 3).
+// P^T = exp2(S^T * scale_log2 - lse2) in place of S^T (a warp's 16 keys by COLS queries, whose lse2 lies in
+// shared memory), where the partial tile's mask (keep: its mask_bits) lets it through. t: the thread's place in
+// its quad (lane & 3).
+template <int COLS>
+__device__ __forceinline__ void transposed_probs(float (&st)[COLS / 8][4], const float* lse2, bool partial,
+                                                 const ElementBits<COLS>& keep, float scale_log2, int t) {
+    if (partial) apply_mask<COLS>(st, keep);
+#pragma unroll
+    for (int c = 0; c < COLS / 8; ++c)
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) st[c][jj] = exp2f(fmaf(st[c][jj], scale_log2, -lse2[c * 8 + 2 * t + (jj & 1)]));
+}
+
+// dS^T = P^T * (dP^T - delta) in place of dP^T, from transposed_probs's P^T (delta in shared memory).
+template <int COLS>
+__device__ __forceinline__ void transposed_ds(const float (&pt)[COLS / 8][4], float (&dpt)[COLS / 8][4],
+                                              const float* delta, int t) {
+#pragma unroll
+    for (int c = 0; c < COLS / 8; ++c)
+#pragma unroll
+        for (int jj = 0; jj < 4; ++jj) dpt[c][jj] = dscore(pt[c][jj], dpt[c][jj], delta[c * 8 + 2 * t + (jj & 1)]);
+}
+
+// The dK/dV passes' P^T and dS^T in place of S^T and dP^T, once those have landed: the score mod, then
+// transposed_probs and transposed_ds. Without a score mod the fused backward runs the two apart, P^T while
+// dP^T's product is in flight.
 template <int COLS>
 __device__ __forceinline__ void transposed_scores_to_ds(const Params& p, float (&st)[COLS / 8][4],
                                                         float (&dpt)[COLS / 8][4], const float* lse2,
@@ -796,15 +818,20 @@ __device__ __forceinline__ void transposed_scores_to_ds(const Params& p, float (
                                                         float scale_log2, int b, int h, const TilePos<true>& pos,
                                                         int t) {
     apply_score_mod<true, COLS>(p, st, dpt, [&](int c, int jj) { return delta[c * 8 + 2 * t + (jj & 1)]; }, b, h, pos);
-    if (partial) apply_mask<COLS>(st, keep);
+    transposed_probs<COLS>(st, lse2, partial, keep, scale_log2, t);
+    transposed_ds<COLS>(st, dpt, delta, t);
+}
+
+// P^T and dS^T, made without the mask (transposed_probs and transposed_ds), set to 0 where `bits` (from
+// mask_bits) hides them: exp2 may have overflowed there, as the row's lse leaves out what the mask hides.
+template <int COLS>
+__device__ __forceinline__ void zero_hidden(float (&pt)[COLS / 8][4], float (&dst)[COLS / 8][4],
+                                            const ElementBits<COLS>& bits) {
 #pragma unroll
     for (int c = 0; c < COLS / 8; ++c)
 #pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-            const int col = c * 8 + 2 * t + (jj & 1);
-            st[c][jj] = exp2f(fmaf(st[c][jj], scale_log2, -lse2[col]));  // P^T
-            dpt[c][jj] = dscore(st[c][jj], dpt[c][jj], delta[col]);    // dS^T
-        }
+        for (int j = 0; j < 4; ++j)
+            if (!bits[4 * c + j]) pt[c][j] = dst[c][j] = 0.f;
 }
 
 }  // namespace csa

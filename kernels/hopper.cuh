@@ -321,17 +321,17 @@ __device__ __forceinline__ void fence_stores_for_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// acc (64 x N) = A B over K: A a K-major shared tile of 64 rows in panels of 64 columns (store_transposed's),
-// B the first K rows of a shared tile of B_ROWS rows from `b`, read MN-major (N columns: one 64-wide panel, or
-// HEAD_DIM of them). Issued as one group and left in flight.
-template <int N, int K, int B_ROWS>
+// acc (64 x N) = A B over K: A the 64 rows at `a` of a K-major shared tile whose panels of 64 columns hold
+// A_ROWS rows (store_transposed's), B the first K rows of a shared tile of B_ROWS rows from `b`, read MN-major
+// (N columns: one 64-wide panel, or HEAD_DIM of them). Issued as one group and left in flight.
+template <int N, int K, int A_ROWS, int B_ROWS>
 __device__ __forceinline__ void issue_AB(float (&acc)[N / 8][4], const elem_t* a, const elem_t* b) {
     const unsigned long long da = smem_desc(a), db = smem_desc(b, B_ROWS * 128);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
         const int panel = kk / 4, col = (kk % 4) * 16;
-        wgmma_ss_bmn<N>(acc, desc_plus(da, panel * 64 * 64 + col), desc_plus(db, kk * 16 * 64), kk > 0);
+        wgmma_ss_bmn<N>(acc, desc_plus(da, panel * A_ROWS * 64 + col), desc_plus(db, kk * 16 * 64), kk > 0);
     }
     wgmma_commit();
 }

@@ -78,7 +78,7 @@ extern "C" __global__ void __launch_bounds__(128)
     __syncthreads();
     for (int i = threadIdx.x; i < 64 * 64; i += 128) x_raw[i] = sh.x[i];
     float xk[HEAD_DIM / 8][4];
-    issue_AB<HEAD_DIM, 64, TILE_N>(xk, sh.x, sh.k);
+    issue_AB<HEAD_DIM, 64, 64, TILE_N>(xk, sh.x, sh.k);
     wgmma_wait<0>();
     fence_operands(xk);
     store_accumulator<HEAD_DIM>(xk, xk_out);

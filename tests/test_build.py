@@ -52,19 +52,28 @@ def test_score_mod_specialises_the_source_not_its_values():
     plain = build.KernelSpec.make("backward_dq", "bfloat16", 64)
     assert "#define SCORE_MOD 0" in plain.source() and "CSA_SCORE(" not in plain.prelude()
     assert "_score" in spec.name and spec.name != plain.name
-    assert spec.tiles[1] <= build.MAX_TILE_N["backward_dq"]["score"] < plain.tiles[1]
+    assert spec.tiles[1] <= build.MAX_TILES["backward_dq"]["score"][1] < plain.tiles[1]
 
 
 def test_bit_masks_and_score_mods_take_the_hopper_dq_pass_to_smaller_key_tiles():
     plain = build.KernelSpec.make("backward_dq_sm90", "bfloat16", 64, "expr", "k <= q")
     bits = build.KernelSpec.make("backward_dq_sm90", "bfloat16", 64, "bits")
-    assert bits.tiles[1] <= build.MAX_TILE_N["backward_dq_sm90"]["bits"] < plain.tiles[1]
+    assert bits.tiles[1] <= build.MAX_TILES["backward_dq_sm90"]["bits"][1] < plain.tiles[1]
     score = build.KernelSpec.make(
         "backward_dq_sm90", "bfloat16", 64, "expr", "k <= q", score=build.SAMPLE_SCORE
     )
-    assert score.tiles[1] <= build.MAX_TILE_N["backward_dq_sm90"]["score"] < plain.tiles[1]
+    assert score.tiles[1] <= build.MAX_TILES["backward_dq_sm90"]["score"][1] < plain.tiles[1]
     portable = build.KernelSpec.make("backward_dq", "bfloat16", 64, "bits")
     assert portable.tiles == build.tile_config("backward_dq", 64)  # the portable pass has room for them
+
+
+def test_the_fused_backward_visits_64_queries_at_head_dim_64_with_a_score_mod():
+    plain = build.KernelSpec.make("backward_sm90", "bfloat16", 64, "expr", "k <= q")
+    score = build.KernelSpec.make("backward_sm90", "bfloat16", 64, "expr", "k <= q", score=build.SAMPLE_SCORE)
+    assert plain.tiles == (128, 128, 12) and score.tiles == (64, 128, 12)
+    assert "#define KV_BUFFERS 1" in plain.prelude() and "#define KV_BUFFERS 2" in score.prelude()
+    at_128 = build.KernelSpec.make("backward_sm90", "bfloat16", 128, score=build.SAMPLE_SCORE)
+    assert at_128.tiles == (64, 128, 12)
 
 
 @pytest.mark.parametrize(("head_dim", "wide"), [(64, (192, 128, 16)), (128, (128, 192, 12))])
@@ -165,9 +174,12 @@ def test_every_specialisation_compiles_for_sm80_and_sm90_without_spills(capsys):
 def test_plain_passes_take_the_fused_query_tiles_and_no_layout(kernel):
     """The fused backward's first and last passes address its dQ sums and counters by its query tiles."""
     for head_dim in build.HOPPER_HEAD_DIMS:
-        tm, _, nw = build.tile_config(kernel, head_dim)
-        assert tm == build.tile_config("backward_sm90", head_dim)[0] == 16 * nw
-        assert build.KernelSpec.make(kernel, "float16", head_dim).shared_bytes == 0
+        for score in (False, True):
+            fused = build.tile_config("backward_sm90", head_dim, score=score)
+            tm, _, nw = build.edge_tiles(fused)
+            assert tm == fused[0] == 16 * nw
+            spec = build.KernelSpec.make(kernel, "float16", head_dim, tiles=(tm, 64, nw))
+            assert spec.shared_bytes == 0 and spec in build.all_specs()
     with pytest.raises(ValueError, match="no layout rule or score mod"):
         build.KernelSpec.make(kernel, "bfloat16", 128, "bits")
     with pytest.raises(ValueError, match="no layout rule or score mod"):
@@ -208,6 +220,10 @@ def test_hopper_shared_memory_is_the_kernels_struct_plus_alignment():
     # Fused: K and V, two stages of Q and dO, two dS tiles (64 x 128), two fp32 dQ shares (64 x 128), 1 KiB
     # of statistics, 128 bytes of Visits and 18 barriers: padded, the most an H100 block may have.
     assert build.shared_bytes("backward_sm90", 128, (64, 128, 12)) == 227 * 1024
+    # At D = 64, visits of 128 queries: one buffer of K and V (128 x 64), two stages of Q and dO (128 x 64),
+    # one dS tile (128 x 128), two fp32 dQ shares (128 x 64) and 2 KiB of statistics: 194 KiB, then the
+    # Visits and barriers, padded, and 1 KiB to align.
+    assert build.shared_bytes("backward_sm90", 64, (128, 128, 12)) == 194 * 1024 + 1024 + 1024
     for kernel in HOPPER:
         for head_dim in build.HOPPER_HEAD_DIMS:
             assert build.KernelSpec.make(kernel, "float16", head_dim).shared_bytes <= 227 * 1024

@@ -328,8 +328,9 @@ def test_hopper_backward_passes_take_query_and_key_tiles_of_their_own(launches, 
     assert "_bits" in launches[0][0] and [m[2][1] for m in launches[0][-1]] == [128, 64, 64, 128]
 
 
-@pytest.mark.parametrize("head_dim", build.HOPPER_HEAD_DIMS)
-def test_the_fused_backward_launches_three_passes_over_a_larger_scratch(launches, monkeypatch, head_dim):
+# Visits of 128 queries at head dim 64, 64 at 128.
+@pytest.mark.parametrize(("head_dim", "tm"), [(64, 128), (128, 64)])
+def test_the_fused_backward_launches_three_passes_over_a_larger_scratch(launches, monkeypatch, head_dim, tm):
     monkeypatch.setattr(cuda, "compute_capability", lambda device: 90)
     monkeypatch.setattr(cuda, "sm_count", lambda device: 5)
     seq = 300
@@ -346,16 +347,19 @@ def test_the_fused_backward_launches_three_passes_over_a_larger_scratch(launches
     names = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "stats")
     cuda.backward(*(held[n] for n in names), layout, 0.1)
     (stats_name, stats_grid, _, _, _, stats_maps), fused, (dq_name, dq_grid, _, _, _, dq_maps) = launches
-    # The first and last pass read no rule (one kernel for every layout) and no TMA copies.
-    assert stats_name.startswith(f"backward_stats_bf16_d{head_dim}_q64k64w4_none") and stats_maps == []
-    assert dq_name.startswith(f"backward_dq_convert_bf16_d{head_dim}_q64k64w4_none") and dq_maps == []
-    assert stats_grid == (384 // 64, 4, 2) and dq_grid == (5, 4, 2)  # 300 rows: 5 query tiles of 64
+    # The first and last pass read no rule (one kernel for every layout) and no TMA copies, over the fused
+    # pass's query tiles.
+    edges = f"q{tm}k64w{tm // 16}_none"
+    assert stats_name.startswith(f"backward_stats_bf16_d{head_dim}_{edges}") and stats_maps == []
+    assert dq_name.startswith(f"backward_dq_convert_bf16_d{head_dim}_{edges}") and dq_maps == []
+    tiles_q = -(-seq // tm)  # 300 rows: 3 query tiles of 128, or 5 of 64
+    assert stats_grid == (384 // tm, 4, 2) and dq_grid == (tiles_q, 4, 2)
     name, grid, (threads, _, _), args, shared, maps = fused
-    assert name.startswith(f"backward_sm90_bf16_d{head_dim}_q64k128w12") and threads == 384
-    assert grid == (5, 1, 1) and shared == build.shared_bytes("backward_sm90", head_dim, (64, 128, 12))
+    assert name.startswith(f"backward_sm90_bf16_d{head_dim}_q{tm}k128w12") and threads == 384
+    assert grid == (5, 1, 1) and shared == build.shared_bytes("backward_sm90", head_dim, (tm, 128, 12))
     # q, k, v and dout copied in; dK and dV written out, 64 keys (a consumer warpgroup's) a copy.
-    assert [m[2][1] for m in maps] == [64, 128, 128, 64, 64, 64]
-    (tables,) = (t for key, t in cuda._tables[id(layout)].items() if key[:2] == (64, 128))
+    assert [m[2][1] for m in maps] == [tm, 128, 128, tm, 64, 64]
+    (tables,) = (t for key, t in cuda._tables[id(layout)].items() if key[:2] == (tm, 128))
     # 2 x 2 kv heads x 3 key tiles: 12 items on 5 CTAs, dealt in groups of four items per SM
     columns = tables.columns(2, 4, 2, 5, 4 * 5)
     for field in ("work", "col_start", "rank_ptr", "ranks"):
