@@ -1,16 +1,18 @@
-"""Two versions of cusparseattn timed against each other: bench.py's cases, in alternating processes.
+"""Versions of cusparseattn timed against one: bench.py's cases, in alternating processes.
 
     git archive main cusparseattn kernels | tar -x -C /tmp/old      # the version to compare against
     python benchmarks/ab.py /tmp/old --cases causal,local1024 --seqs 4096 --no-backward
     python benchmarks/ab.py /tmp/old /tmp/new --rounds 3 --peers cusparseattn,flex
+    python benchmarks/ab.py /tmp/old /tmp/a /tmp/b --rounds 4       # two candidates in the same rounds
     python benchmarks/ab.py . . --old-env CUSPARSEATTN_FUSED_BACKWARD=0 --seqs 16384   # one tree, a switch
 
-Each tree holds ``cusparseattn/`` and ``kernels/``; the second defaults to this checkout. A round runs this
-checkout's bench.py once per tree (``--only cases``, the tree first on PYTHONPATH), the order flipping from
-round to round so that a drift of the GPU's clocks weighs on both. bench.py's options pass through (``--peers
-cusparseattn`` by default: a peer timed beside them shows that drift). Prints each figure of every round and
-new / old of their medians; writes each run's bench.json under ``--out``. ``--old-env`` and ``--new-env``
-(``NAME=VALUE``, repeatable) set environment variables for one side's runs only: a switch against itself.
+Each tree holds ``cusparseattn/`` and ``kernels/``; the new ones default to this checkout. A round runs this
+checkout's bench.py once per tree (``--only cases``, the tree first on PYTHONPATH), each round starting one
+tree further along (two trees: the order flips), so that a drift of the GPU's clocks weighs on all. bench.py's
+options pass through (``--peers cusparseattn`` by default: a peer timed beside them shows that drift). Prints
+each figure of every round and new / old of their medians, for each new tree; writes each run's bench.json
+under ``--out``. ``--old-env`` and ``--new-env`` (``NAME=VALUE``, repeatable) set environment variables for
+the old tree's runs or the new ones' only: a switch against itself.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ def figures(runs: list[dict]) -> dict:
     return out
 
 
-def table(old: list[dict], new: list[dict]) -> list[str]:
-    """One line per case, pass and name: the old figures, the new ones, and new / old of their medians."""
+def table(old: list[dict], new: list[dict], label: str = "new") -> list[str]:
+    """One line per case, pass and name: the old figures, the new ones (named `label`), and new / old of
+    their medians."""
     before, after = figures(old), figures(new)
     lines = []
     for key in sorted(before.keys() & after.keys(), key=lambda k: (k[3], k[2], k[1], k[0], k[4])):
@@ -62,7 +65,7 @@ def table(old: list[dict], new: list[dict]) -> list[str]:
         case, seq, dim, pass_, name = key
         lines.append(
             f"{pass_:6} {case:10} S={seq:6} D={dim:4} {name:12} old {' '.join(f'{x:6.1f}' for x in a)}"
-            f" | new {' '.join(f'{x:6.1f}' for x in b)} | x{ratio:.3f}"
+            f" | {label} {' '.join(f'{x:6.1f}' for x in b)} | x{ratio:.3f}"
         )
     return lines
 
@@ -72,7 +75,9 @@ def main(argv=None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("old", type=_tree)
-    parser.add_argument("new", type=_tree, nargs="?", default=Path(__file__).resolve().parents[1])
+    parser.add_argument(
+        "new", type=_tree, nargs="*", help="the trees to time against old (default: this one)"
+    )
     parser.add_argument("--rounds", type=int, default=2)
     for which in ("old", "new"):
         parser.add_argument(
@@ -93,24 +98,28 @@ def main(argv=None) -> int:
         parser.error("ab.py runs bench.py's cases itself: leave out --only and --out")
     if not any(a.startswith("--peers") for a in passed):
         passed += ["--peers", "cusparseattn"]
-    runs: dict[str, list[dict]] = {"old": [], "new": []}
+    news = args.new or [Path(__file__).resolve().parents[1]]
+    # Each tree by its label: "old", then "new", or "new1", "new2", ... for several.
+    trees = {"old": args.old} | {("new" if len(news) == 1 else f"new{i + 1}"): t for i, t in enumerate(news)}
+    runs: dict[str, list[dict]] = {label: [] for label in trees}
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp)
         for r in range(args.rounds):
-            for which in ("old", "new") if r % 2 == 0 else ("new", "old"):
-                tree = getattr(args, which)
+            labels = list(trees)[r % len(trees) :] + list(trees)[: r % len(trees)]
+            for label in labels:
+                tree = trees[label]
                 path = [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]
-                settings = dict(getattr(args, f"{which}_env"))
+                settings = dict(args.old_env if label == "old" else args.new_env)
                 env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), **settings}
-                where = out / f"{which}{r}"
-                print(f"== round {r}: {which} ({tree})", flush=True)
+                where = out / f"{label}-{r}"
+                print(f"== round {r}: {label} ({tree})", flush=True)
                 cmd = [sys.executable, str(BENCH), "--only", "cases", "--out", str(where), *passed]
                 done = subprocess.run(cmd, env=env, cwd=tree)
                 if done.returncode:
-                    print(f"bench.py failed on the {which} tree (exit {done.returncode})")
+                    print(f"bench.py failed on the {label} tree (exit {done.returncode})")
                     return done.returncode
-                runs[which].append(json.loads((where / "bench.json").read_text()))
-    print("\n".join(table(runs["old"], runs["new"])))
+                runs[label].append(json.loads((where / "bench.json").read_text()))
+    print("\n".join(line for label in list(trees)[1:] for line in table(runs["old"], runs[label], label)))
     return 0
 
 

@@ -153,8 +153,33 @@ def test_ab_sets_each_sides_environment(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(ab.subprocess, "run", fake_run)
     argv = [str(ROOT), str(ROOT), "--new-env", "CUSPARSEATTN_FUSED_BACKWARD=1", "--new-env", "X=a=b"]
     assert ab.main([*argv, "--old-env", "X=", "--out", str(tmp_path)]) == 0
-    assert seen == [("old0", None, ""), ("new0", "1", "a=b"), ("new1", "1", "a=b"), ("old1", None, "")]
+    assert seen == [("old-0", None, ""), ("new-0", "1", "a=b"), ("new-1", "1", "a=b"), ("old-1", None, "")]
     assert "x1.000" in capsys.readouterr().out
+
+
+def test_ab_rotates_several_new_trees_and_compares_each_with_the_old(monkeypatch, tmp_path, capsys):
+    ab = _load(ROOT / "benchmarks" / "ab.py")
+    seen, speed = [], {}
+
+    def fake_run(cmd, env, cwd):
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True)
+        label = out.name.split("-")[0]
+        row = {"case": "dense", "S": 4096, "D": 64, "fwd": {"cusparseattn": speed[label]}, "fwdbwd": {}}
+        (out / "bench.json").write_text(json.dumps({"cases": [row]}))
+        seen.append((out.name, env.get("X")))
+        return types.SimpleNamespace(returncode=0)
+
+    monkeypatch.setattr(ab.subprocess, "run", fake_run)
+    speed.update(old=100.0, new1=110.0, new2=90.0)
+    argv = [str(ROOT), str(ROOT), str(ROOT), "--rounds", "3", "--new-env", "X=1", "--out", str(tmp_path)]
+    assert ab.main(argv) == 0
+    # Each round starts one tree further along; the new trees' runs get --new-env.
+    names = [name for name, _ in seen]
+    assert names == ["old-0", "new1-0", "new2-0", "new1-1", "new2-1", "old-1", "new2-2", "old-2", "new1-2"]
+    assert all((x == "1") == name.startswith("new") for name, x in seen)
+    lines = capsys.readouterr().out.splitlines()[-2:]
+    assert "| new1  110.0  110.0  110.0 | x1.100" in lines[0] and lines[1].endswith("| x0.900")
 
 
 def test_host_time_wraps_every_stage_and_puts_it_back():
