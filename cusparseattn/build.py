@@ -33,6 +33,17 @@ log = logging.getLogger("cusparseattn")
 DTYPES = {"float16": 0, "bfloat16": 1}
 RULE_MODES = {"none": 0, "expr": 1, "bits": 2}
 
+
+def edge_tiles(fused: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The tiles of the fused backward's first and last passes (PLAIN), which address its dQ sums and counters
+    by its query tiles: those of the fused pass's tiles `fused`, a warp for each 16."""
+    return fused[0], 64, fused[0] // 16
+
+
+# The fused backward (dK, dV and dQ in one pass, dQ summed in a fixed order): two consumers of 64 keys, 128
+# queries a visit at head dim 64 (64 with a score mod: MAX_TILES), 64 at 128.
+FUSED_BACKWARD_TILES = {64: [(128, 128, 12), (64, 128, 12)], 128: [(64, 128, 12)]}
+
 # Kernel tiles (TILE_M queries, TILE_N keys, NWARPS) per pass and padded head dim, in order of preference: a
 # device takes the first whose shared memory fits (an H100 has 227 KiB per block, an A100 163, sm_86/89 99).
 # Forward and dQ: one warp per 16 query rows; dK/dV: one warp per 16 keys. Measured on an H100 (bf16, S = 4096
@@ -61,12 +72,12 @@ TILES = {
     "forward_sm90": {128: [(128, 128, 12)]},
     "backward_dq_sm90": {64: [(128, 128, 12), (128, 64, 12)], 128: [(128, 64, 12)]},
     "backward_dkdv_sm90": {128: [(64, 128, 12)]},
-    # The fused backward (dK, dV and dQ in one pass, dQ summed in a fixed order): two consumers of 64 keys,
-    # 128 queries a visit at head dim 64 (64 with a score mod: MAX_TILES), 64 at 128; and its first and last
-    # passes, over query tiles of its size (edge_tiles).
-    "backward_sm90": {64: [(128, 128, 12), (64, 128, 12)], 128: [(64, 128, 12)]},
-    "backward_stats": {128: [(64, 64, 4)]},
-    "backward_dq_convert": {128: [(64, 64, 4)]},
+    # The fused backward, and its first and last passes over query tiles of its size.
+    "backward_sm90": FUSED_BACKWARD_TILES,
+    **{
+        kernel: {d: [edge_tiles(t) for t in ts] for d, ts in FUSED_BACKWARD_TILES.items()}
+        for kernel in ("backward_stats", "backward_dq_convert")
+    },
 }
 # Passes that read no layout and no score mod: one kernel serves every layout (cuda.py builds them plain).
 PLAIN = ("backward_stats", "backward_dq_convert")
@@ -119,12 +130,6 @@ def fused_kv_buffers(head_dim: int, tiles: tuple[int, int, int]) -> int:
     runs (short columns, local1024, wait for them otherwise); one at 128, or with visits of 128 queries, where
     its shared memory holds no more."""
     return 2 if head_dim <= 64 and tiles[0] <= 64 else 1
-
-
-def edge_tiles(fused: tuple[int, int, int]) -> tuple[int, int, int]:
-    """The tiles of the fused backward's first and last passes (PLAIN), which address its dQ sums and counters
-    by its query tiles: those of the fused pass's tiles `fused`, a warp for each 16."""
-    return fused[0], 64, fused[0] // 16
 
 
 def forward_q_buffers(head_dim: int) -> int:
@@ -530,12 +535,11 @@ def all_specs() -> list[KernelSpec | RuleSpec]:
     specs = []
     for kernel, table in TILES.items():
         if kernel in PLAIN:
-            edges = sorted({edge_tiles(t) for ts in TILES["backward_sm90"].values() for t in ts})
             specs += [
                 KernelSpec.make(kernel, dt, d, tiles=t)
-                for t in edges
+                for d, ts in table.items()
+                for t in ts
                 for dt in DTYPES
-                for d in HOPPER_HEAD_DIMS
             ]
             continue
         for d in HOPPER_HEAD_DIMS if kernel in ARCH else (32, 64, 96, 128, 256):

@@ -174,6 +174,9 @@ def test_every_specialisation_compiles_for_sm80_and_sm90_without_spills(capsys):
 def test_plain_passes_take_the_fused_query_tiles_and_no_layout(kernel):
     """The fused backward's first and last passes address its dQ sums and counters by its query tiles."""
     for head_dim in build.HOPPER_HEAD_DIMS:
+        assert build.tile_config(kernel, head_dim) == build.edge_tiles(
+            build.tile_config("backward_sm90", head_dim)
+        )
         for score in (False, True):
             fused = build.tile_config("backward_sm90", head_dim, score=score)
             tm, _, nw = build.edge_tiles(fused)
