@@ -159,18 +159,16 @@ def forward_scaled_max(head_dim: int, tiles: tuple[int, int, int]) -> bool:
     return head_dim == 64 and tiles[0] == 128
 
 
-def paired_descriptors(kernel: str) -> bool:
-    """Whether a Hopper pass pairs the two halves of its wgmma descriptors in PTX (its PAIRED_DESC) instead of
-    joining them with 64-bit arithmetic. Paired, NVRTC moves each product step's descriptors into uniform
-    registers with an add and a move each; joined, it adds with a carry into the high word and or-s that
-    word's fields back in, and in the fused backward at head dim 64 builds them in ordinary registers and
-    copies them over (R2UR) before every HGMMA. The fused backward (with its warpgroup index through a
-    shuffle; its loop 4 % shorter at D = 64, 10 % at 128) against joined halves, H100 forward+backward on
-    dense, causal and local1024 at S = 4096 and 16384, D = 64 and 128, two runs of 4 rounds: ten of the
-    twelve x1.00 to x1.03 in both, dense D = 64 S = 16384 x1.02 and x0.97, causal D = 128 S = 16384 x1.00 and
-    x0.99. The forward keeps them joined: paired (its loops 14 to 50 instructions shorter), it ran x0.94 to
-    x0.97 at D = 64 wherever its 128-row tiles run (S = 4096, local1024, strided8) and x1.00 to x1.03 at
-    D = 128 (4 rounds, the same twelve cases and strided8)."""
+def descriptor_add64(kernel: str) -> bool:
+    """Whether a Hopper pass steps its wgmma descriptors with one 64-bit add (its DESC_ADD64), which ptxas
+    issues as one uniform UIADD3.64, instead of adding to the low word and joining the high word back in
+    (a UMOV of that word before every HGMMA). The fused backward: its loops 48 instructions shorter (1264 to
+    1216 at D = 64, 851 to 803 at 128); against the halves paired in PTX, which it had before (they had run
+    x1.00 to x1.03 against joined halves), H100 forward+backward, 3 rounds: dense and causal S = 16384 at
+    D = 64 x1.015, causal S = 16384 and dense S = 4096 at 128 x1.02, the rest x0.99 to x1.01 (S = 4096
+    local1024 is host-bound). The forward keeps joined halves: so stepped (and paired before it, 14 to 50
+    instructions shorter), it ran x0.93 to x0.95 at D = 64 wherever its 128-row tiles run (S = 4096,
+    local1024) and x1.02 on its 192-row tiles."""
     return kernel == "backward_sm90"
 
 
@@ -385,7 +383,7 @@ class KernelSpec:
             lines.append(f"#define CSA_SCORE_GRAD(s, b, h, q, k) ({self.score[1]})")
         if self.arch is not None:
             lines.append(f"#define STAGES {hopper_stages(self.kernel, self.padded_head_dim, self.tiles)}")
-            lines.append(f"#define PAIRED_DESC {int(paired_descriptors(self.kernel))}")
+            lines.append(f"#define DESC_ADD64 {int(descriptor_add64(self.kernel))}")
             if self.kernel == "backward_sm90":
                 lines.append(f"#define KV_BUFFERS {fused_kv_buffers(self.padded_head_dim, self.tiles)}")
             if self.kernel == "forward_sm90":

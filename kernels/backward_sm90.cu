@@ -98,7 +98,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     extern __shared__ unsigned char smem_raw[];
     Shared& sh = aligned_shared<Shared>(smem_raw);
     if (threadIdx.x == 0 && dynamic_smem_size() < SHARED_BYTES) __trap();
-    const int warpgroup = uniform_warpgroup();  // its K and V panels' descriptors uniform: paired_descriptors
+    const int warpgroup = uniform_warpgroup();  // its K and V panels' descriptors uniform: descriptor_add64
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < KV_BUFFERS; ++s) {

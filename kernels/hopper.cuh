@@ -169,16 +169,14 @@ __device__ __forceinline__ unsigned long long smem_desc(const void* p, unsigned 
 }
 
 // The descriptor of the element `elements` on from the one `desc` describes (in the same tile). Only the start
-// address, in the low word, moves: a product's steps take one add each to a descriptor worked out once.
+// address, in the low word, moves (inside shared memory it never carries out of its field): a product's steps
+// take one add each to a descriptor worked out once.
 __device__ __forceinline__ unsigned long long desc_plus(unsigned long long desc, int elements) {
-    const unsigned low = static_cast<unsigned>(desc) + elements * static_cast<unsigned>(sizeof(elem_t)) / 16;
-#if PAIRED_DESC
-    // build.paired_descriptors: the halves paired in PTX, which NVRTC keeps apart in uniform registers.
-    unsigned long long out;
-    asm("mov.b64 %0, {%1, %2};\n" : "=l"(out) : "r"(low), "r"(static_cast<unsigned>(desc >> 32)));
-    return out;
+    const unsigned step = elements * static_cast<unsigned>(sizeof(elem_t)) / 16;
+#if DESC_ADD64
+    return desc + step;  // build.descriptor_add64: one 64-bit add, issued as one uniform add (UIADD3.64)
 #else
-    return desc >> 32 << 32 | low;
+    return desc >> 32 << 32 | (static_cast<unsigned>(desc) + step);
 #endif
 }
 

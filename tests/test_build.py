@@ -106,14 +106,14 @@ def test_the_hopper_forward_may_take_wide_tiles(head_dim, wide):
         assert build.shared_bytes("forward_sm90", head_dim, tiles) <= 227 * 1024  # an H100 holds it
 
 
-def test_only_the_fused_backward_pairs_its_descriptor_halves():
-    """build.paired_descriptors: the fused backward pairs its wgmma descriptors' halves in PTX (x1.00 to
-    x1.03 on most cases); the forward (paired, x0.94 to x0.97 at head dim 64) and the two backward passes
-    join them."""
+def test_only_the_fused_backward_steps_its_descriptors_with_64_bit_adds():
+    """build.descriptor_add64: the fused backward steps its wgmma descriptors with one 64-bit add (x1.00 to
+    x1.02); the forward (so stepped, x0.93 to x0.95 on its 128-row tiles at head dim 64) and the
+    two backward passes add to the low word and join the high word back in."""
     for kernel in build.ARCH:
         for head_dim in build.HOPPER_HEAD_DIMS:
             prelude = build.KernelSpec.make(kernel, "bfloat16", head_dim).prelude()
-            assert f"#define PAIRED_DESC {int(kernel == 'backward_sm90')}" in prelude
+            assert f"#define DESC_ADD64 {int(kernel == 'backward_sm90')}" in prelude
 
 
 @pytest.mark.parametrize(
