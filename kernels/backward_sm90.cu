@@ -186,8 +186,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             sh.q_ring.wait(n);
             issue_ABt<TILE_M, TILE_N>(st, k_tile + keys * 64, sh.q[slot]);
             issue_ABt<TILE_M, TILE_N>(dpt, sh.v[kv] + keys * 64, sh.dout[slot]);
+            // The partial visit's mask bits: before its scores land, or (LATE_MASK) once P^T and dS^T are made.
+            auto visit_mask = [&] {
+                return mask_bits<true, TILE_M>(p, e.y, b, h, q0, k_tile0, keys + warp * 16, lane);
+            };
             ElementBits<TILE_M> keep;
-            if (!LATE_MASK) keep = mask_bits<true, TILE_M>(p, e.y, b, h, q0, k_tile0, keys + warp * 16, lane);
+            if (!LATE_MASK) keep = visit_mask();
             const float* lse2 = sh.stats[slot][STAT_LSE2];
             const float* delta = sh.stats[slot][STAT_DELTA];
             // S^T lands first: P^T is made while dP^T's product runs (not with a score mod, whose derivative
@@ -203,8 +207,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                                                 TilePos<true>(p, q0, k_tile0, keys + warp * 16, lane), t);
             else
                 transposed_ds<TILE_M>(st, dpt, delta, t);
-            if (LATE_MASK && e.y >= 0)
-                zero_hidden<TILE_M>(st, dpt, mask_bits<true, TILE_M>(p, e.y, b, h, q0, k_tile0, keys + warp * 16, lane));
+            if (LATE_MASK && e.y >= 0) zero_hidden<TILE_M>(st, dpt, visit_mask());
             to_a_fragments<TILE_M>(st, p_frag);
             to_a_fragments<TILE_M>(dpt, ds_frag);
             // dS^T's 64 keys become this consumer's panel of dS; both halves are in before either reads them.
