@@ -139,13 +139,15 @@ def forward_q_buffers(head_dim: int) -> int:
     return 1 if head_dim > 64 else 2
 
 
-def forward_split_steps(head_dim: int) -> bool:
+def forward_split_steps(head_dim: int, tiles: tuple[int, int, int]) -> bool:
     """Whether the Hopper forward runs a full tile's step in its own copy without the mask (its SPLIT_STEPS):
-    at head dim 128, where ptxas then waits for O += P V partway through the softmax instead of at its top.
-    On an H100 (forward against one copy, two runs of 3 rounds) on dense, causal, local1024 and strided8 at
-    S = 4096 and 16384: x1.00 to x1.04 in one, x0.99 to x1.04 in the other (local1024 S = 16384: x0.99).
-    At head dim 64 the copies ran x0.93 to x1.00 (dense S = 4096 x0.93), so it keeps one."""
-    return head_dim > 64
+    at head dim 128, and on the 192-row tiles at 64 (three consumers), where ptxas then waits for O += P V
+    partway through the softmax instead of at its top. On an H100 (forward against one copy, two runs of 3
+    rounds) on dense, causal, local1024 and strided8 at S = 4096 and 16384: x1.00 to x1.04 in one, x0.99 to
+    x1.04 in the other (local1024 S = 16384: x0.99). At head dim 64 (3 rounds, with descriptor_add64's
+    stepping there): dense and causal S = 16384 (the 192-row tiles) x1.03 and x1.02; the 128-row tiles ran
+    dense S = 4096 x0.95, causal x0.98, local1024 x0.98 to x0.99 in two copies, so they keep one."""
+    return head_dim > 64 or tiles[0] > 128
 
 
 def forward_scaled_max(head_dim: int, tiles: tuple[int, int, int]) -> bool:
@@ -159,17 +161,18 @@ def forward_scaled_max(head_dim: int, tiles: tuple[int, int, int]) -> bool:
     return head_dim == 64 and tiles[0] == 128
 
 
-def descriptor_add64(kernel: str) -> bool:
+def descriptor_add64(kernel: str, tiles: tuple[int, int, int]) -> bool:
     """Whether a Hopper pass steps its wgmma descriptors with one 64-bit add (its DESC_ADD64), which ptxas
     issues as one uniform UIADD3.64, instead of adding to the low word and joining the high word back in
     (a UMOV of that word before every HGMMA). The fused backward: its loops 48 instructions shorter (1264 to
     1216 at D = 64, 851 to 803 at 128); against the halves paired in PTX, which it had before (they had run
     x1.00 to x1.03 against joined halves), H100 forward+backward, 3 rounds: dense and causal S = 16384 at
     D = 64 x1.015, causal S = 16384 and dense S = 4096 at 128 x1.02, the rest x0.99 to x1.01 (S = 4096
-    local1024 is host-bound). The forward keeps joined halves: so stepped (and paired before it, 14 to 50
-    instructions shorter), it ran x0.93 to x0.95 at D = 64 wherever its 128-row tiles run (S = 4096,
-    local1024) and x1.02 on its 192-row tiles."""
-    return kernel == "backward_sm90"
+    local1024 is host-bound). The forward's 192-row tiles too (x1.02 alone; with forward_split_steps' copies,
+    dense S = 16384 x1.03 against x1.015 without it). Its 128-row tiles keep joined halves: so stepped (and
+    paired before it, 14 to 50 instructions shorter), they ran x0.93 to x0.95 at D = 64 (S = 4096,
+    local1024)."""
+    return kernel == "backward_sm90" or (kernel == "forward_sm90" and tiles[0] > 128)
 
 
 def hopper_stages(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int:
@@ -383,12 +386,13 @@ class KernelSpec:
             lines.append(f"#define CSA_SCORE_GRAD(s, b, h, q, k) ({self.score[1]})")
         if self.arch is not None:
             lines.append(f"#define STAGES {hopper_stages(self.kernel, self.padded_head_dim, self.tiles)}")
-            lines.append(f"#define DESC_ADD64 {int(descriptor_add64(self.kernel))}")
+            lines.append(f"#define DESC_ADD64 {int(descriptor_add64(self.kernel, self.tiles))}")
             if self.kernel == "backward_sm90":
                 lines.append(f"#define KV_BUFFERS {fused_kv_buffers(self.padded_head_dim, self.tiles)}")
             if self.kernel == "forward_sm90":
                 lines.append(f"#define Q_BUFFERS {forward_q_buffers(self.padded_head_dim)}")
-                lines.append(f"#define SPLIT_STEPS {int(forward_split_steps(self.padded_head_dim))}")
+                split_steps = forward_split_steps(self.padded_head_dim, self.tiles)
+                lines.append(f"#define SPLIT_STEPS {int(split_steps)}")
                 scaled_max = forward_scaled_max(self.padded_head_dim, self.tiles)
                 lines.append(f"#define SCALED_MAX {int(scaled_max)}")
             types = {"float16": "f16.f16", "bfloat16": "bf16.bf16"}[self.dtype]

@@ -99,17 +99,21 @@ def test_the_hopper_forward_may_take_wide_tiles(head_dim, wide):
         assert build.hopper_stages("forward_sm90", head_dim, tiles) == stages
         prelude = build.KernelSpec.make("forward_sm90", "bfloat16", head_dim, tiles=tiles).prelude()
         assert f"#define Q_BUFFERS {q_buffers}" in prelude and f"#define STAGES {stages}" in prelude
-        # A full tile's step in its own copy at head dim 128 only (two copies ran slower at 64).
-        assert f"#define SPLIT_STEPS {int(head_dim == 128)}" in prelude
+        # A full tile's step in its own copy at head dim 128 and on the 192-row tiles at 64 (two copies ran
+        # slower on the 128-row ones), which also step their descriptors with 64-bit adds.
+        three_consumers = tiles[0] == 192
+        assert f"#define SPLIT_STEPS {int(head_dim == 128 or three_consumers)}" in prelude
+        assert f"#define DESC_ADD64 {int(three_consumers)}" in prelude
         # The row max of the raw scores, scaled once, but on the narrow tiles at head dim 64.
         assert f"#define SCALED_MAX {int(head_dim == 64 and tiles == narrow)}" in prelude
         assert build.shared_bytes("forward_sm90", head_dim, tiles) <= 227 * 1024  # an H100 holds it
 
 
-def test_only_the_fused_backward_steps_its_descriptors_with_64_bit_adds():
+def test_the_fused_backward_and_the_wide_forward_step_their_descriptors_with_64_bit_adds():
     """build.descriptor_add64: the fused backward steps its wgmma descriptors with one 64-bit add (x1.00 to
-    x1.02); the forward (so stepped, x0.93 to x0.95 on its 128-row tiles at head dim 64) and the
-    two backward passes add to the low word and join the high word back in."""
+    x1.02), as do the forward's 192-row tiles; the forward's default tiles (so stepped, x0.93 to x0.95 on
+    the 128-row ones at head dim 64) and the two backward passes add to the low word and join the high word
+    back in."""
     for kernel in build.ARCH:
         for head_dim in build.HOPPER_HEAD_DIMS:
             prelude = build.KernelSpec.make(kernel, "bfloat16", head_dim).prelude()
