@@ -194,7 +194,8 @@ def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int
     row = 2 * (pad_head_dim(head_dim) + 8)  # bytes per padded shared row (SMEM_ROW elements)
     if kernel == "forward":  # Q, two stages of K and V
         return row * (tm + 2 * 2 * tn)
-    if kernel in ARCH:  # the kernel's Shared struct (1024-aligned), and 1024 bytes to align it
+    if kernel in ARCH:  # the kernel's Shared struct (1024-aligned), and 1024 bytes to align it (not the fused
+        # backward's, which fills the 227 KiB at head dim 64 and starts where dynamic shared memory does)
         stages, barrier = hopper_stages(kernel, head_dim, tiles), 8  # an mbarrier is 8 bytes
         q_buffers = forward_q_buffers(head_dim)
         payload = {
@@ -207,17 +208,17 @@ def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int
             "backward_dkdv_sm90": 2 * head_dim * (2 * tn + 2 * stages * tm)
             + stages * 2 * 4 * tm
             + barrier * (1 + 2 * stages),
-            # as the dK/dV pass's (K and V fused_kv_buffers times), and dS tiles (two of 64 queries, one of
-            # 128), two fp32 dQ shares, eight 16-byte Visits; barriers: K and V full and empty, the shares'
-            # full and empty, the Visits', the ring's
+            # as the dK/dV pass's (K and V fused_kv_buffers times), and two dS tiles, two fp32 dQ shares,
+            # eight 16-byte Visits; barriers: K and V full and empty, the shares' full and empty, the
+            # Visits', the ring's
             "backward_sm90": 2 * head_dim * (2 * fused_kv_buffers(head_dim, tiles) * tn + 2 * stages * tm)
-            + 2 * (2 if tm == 64 else 1) * tm * tn
+            + 2 * 2 * tm * tn
             + 2 * 4 * tm * head_dim
             + stages * 2 * 4 * tm
             + 8 * 16
             + barrier * (2 * fused_kv_buffers(head_dim, tiles) + 4 + 8 + 2 * stages),
         }[kernel]
-        return -(-payload // 1024) * 1024 + 1024
+        return -(-payload // 1024) * 1024 + (0 if kernel == "backward_sm90" else 1024)
     if kernel == "backward_dq":  # Q and dO, two stages of K and V
         return row * (2 * tm + 2 * 2 * tn)
     return row * (2 * tn + 2 * 2 * tm) + 2 * 2 * tm * 4  # K and V, two stages of Q, dO, lse and delta

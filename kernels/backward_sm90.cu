@@ -36,10 +36,9 @@ constexpr int DS_BAR = 3;  // a named barrier of the consumers (1 and 2 are thei
 // take in turn (64 queries at 64).
 constexpr int DQ_N = 64, DQ_BLOCKS = TILE_M / 64 * (HEAD_DIM / DQ_N);
 static_assert(DQ_BLOCKS == 1 || DQ_BLOCKS == CONSUMERS, "a block of dQ for each consumer, or one in turn");
-// dS tiles: two at 64 queries, so that a consumer may store the next visit's half while the other's dQ
-// product still reads this one; one at 128 (227 KiB hold no more), stored once both consumers' dQ products
-// of the visit before are in.
-constexpr int DS_BUFFERS = TILE_M == 64 ? 2 : 1;
+// Two dS tiles, so that a consumer may store the next visit's half while the other's dQ product still reads
+// this one: the consumers meet once a visit, when both halves are in.
+constexpr int DS_BUFFERS = 2;
 // A partial visit's mask: at 64 queries its bits are worked out while the products run; at 128 they spill
 // beside the scores, and P^T and dS^T are zeroed where it hides them once they are made.
 constexpr bool LATE_MASK = TILE_M == 128;
@@ -84,7 +83,9 @@ struct alignas(1024) Shared {
     Barrier visit_full[VISITS];           // visit[i]: written
     Ring<STAGES> q_ring;                  // Q, dO and their statistics
 };
-static_assert(sizeof(Shared) + 1024 == SHARED_BYTES, "the builder launches with the kernel's shared memory size");
+// With visits of 128 queries it fills the 227 KiB: it starts at the start of dynamic shared memory
+// (shared_at_start), and the builder launches with sizeof(Shared).
+static_assert(sizeof(Shared) == SHARED_BYTES, "the builder launches with the kernel's shared memory size");
 
 // The CTA's w-th item of the schedule, or none (-1) past its last. Producer, consumers and writers all walk
 // its visits (ColumnWalk<true>), and so agree on every buffer and barrier phase.
@@ -96,7 +97,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                       const __grid_constant__ TensorMap do_map, const __grid_constant__ TensorMap dk_map,
                       const __grid_constant__ TensorMap dv_map) {
     extern __shared__ unsigned char smem_raw[];
-    Shared& sh = aligned_shared<Shared>(smem_raw);
+    Shared& sh = shared_at_start<Shared>(smem_raw);
     if (threadIdx.x == 0 && dynamic_smem_size() < SHARED_BYTES) __trap();
     const int warpgroup = uniform_warpgroup();  // its K and V panels' descriptors uniform: descriptor_add64
 
@@ -211,7 +212,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             to_a_fragments<TILE_M>(st, p_frag);
             to_a_fragments<TILE_M>(dpt, ds_frag);
             // dS^T's 64 keys become this consumer's panel of dS; both halves are in before either reads them.
-            if (DS_BUFFERS == 1) named_barrier(DS_BAR, CONSUMERS * 128);
             store_transposed<TILE_M>(ds_frag, sh.ds[ds] + consumer * TILE_M * 64);
             fence_stores_for_async();
             // dV's product needs this consumer's P^T alone: it runs while the other half of dS comes.
