@@ -157,7 +157,8 @@ def forward_scaled_max(head_dim: int, tiles: tuple[int, int, int]) -> bool:
     at head dim 64 (dense and causal at S = 16384) x1.04 / x1.00 and x1.03 / x1.03; head dim 128 x0.96 to
     x1.03, then x1.00 to x1.01. The narrow tiles at head dim 64 ran x0.95 to x0.99 on all six of their cases,
     and keep the scaled pairs (a shorter softmax there has run slower before: ncu saw the two consumers'
-    exponentials stall on each other)."""
+    exponentials stall on each other). With forward_split_steps' copies on the 192-row tiles, scaled pairs
+    there ran x0.97 (dense) and x1.00 (causal) at S = 16384."""
     return head_dim == 64 and tiles[0] == 128
 
 
@@ -180,7 +181,8 @@ def hopper_stages(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> in
     at head dim 128, whose loads then run a tile further ahead. On an H100 (forward, against two buffers and
     two Q buffers, two runs): causal x1.02 / x1.00-1.02, local1024 x1.01-1.04 at S = 16384, strided8 x1.00 to
     x1.05, dense S = 4096 x1.01, local1024 S = 4096 x0.99 (its short rows miss the second Q buffer). Three at
-    head dim 64 ran x0.97-0.98 at S = 16384."""
+    head dim 64 ran x0.97-0.98 at S = 16384; on the 192-row tiles (146 KiB), x1.00 and x1.01 on dense and
+    causal at S = 16384 (5 rounds), so they keep two."""
     if kernel == "forward_sm90" and head_dim > 64 and tiles[1] <= 128:
         return 3
     return HOPPER_STAGES[kernel]
