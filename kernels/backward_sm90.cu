@@ -250,14 +250,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             if (KV_FIRST && more) sh.q_ring.release(n);  // the item's last slot is held: dK is staged there
         }
         // Both consumers' last products are in (the other's dQ read this one's keys): each stages its dV and dK
-        // as 64-row tiles, and one thread copies them out by TMA. With two K/V buffers (head dim 64) they are
-        // staged in this consumer's halves of the item's K and V tiles, released once the copies have read them
-        // (the warpgroup goes on meanwhile: the next item's K and V are in the other buffer). With one (head dim
-        // 128, KV_FIRST) the next item's copies would wait for that read: K and V go back at once, and the tiles
-        // are staged in a dS tile and the item's last Q or dO tile (its slot held), which go back once both
-        // consumers' copies have read them; an item without visits writes zeros from one tile. KV_FIRST against
-        // staging in K and V (H100 fwd+bwd, two runs of 3 rounds): x1.00-1.03 on the eight cases at 128; at
-        // 64, where its end-of-item barriers and held slot only cost, x0.97-0.99 at S = 16384.
+        // as 64-row tiles, and one thread copies them out by TMA. With two K/V buffers (head dim 64, visits of 64
+        // queries) they are staged in this consumer's halves of the item's K and V tiles, released once the
+        // copies have read them (the warpgroup goes on meanwhile: the next item's K and V are in the other
+        // buffer). With one (KV_FIRST: head dim 128, or visits of 128 queries) the next item's copies would wait
+        // for that read: K and V go back at once, and the tiles are staged in the dS tiles and the item's last
+        // Q or dO tile (its slot held), which go back once both consumers' copies have read them; an item
+        // without visits writes zeros from one tile. KV_FIRST against staging in K and V (H100 fwd+bwd, two runs
+        // of 3 rounds): x1.00-1.03 on the eight cases at 128; at 64 with visits of 64, where its end-of-item
+        // barriers and held slot only cost, x0.97-0.99 at S = 16384.
         named_barrier(DS_BAR, CONSUMERS * 128);
         if (KV_FIRST && threadIdx.x % 128 == 0) sh.kv_empty[kv].arrive();
         const bool visited = n > first;
