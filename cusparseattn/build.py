@@ -83,9 +83,9 @@ TILES = {
 PLAIN = ("backward_stats", "backward_dq_convert")
 # Hopper kernels (sm_90a: TMA, wgmma, a producer warpgroup) take head dims of whole 64-element panels.
 HOPPER_HEAD_DIMS = (64, 128)
-# Buffers of each Hopper pass's ring (hopper.cuh's STAGES; hopper_stages adds the forward's exception): the
-# dK/dV pass holds a (Q, dO) slot until the next use's scores are issued, so it takes more to keep its loads
-# ahead.
+# Buffers of each Hopper pass's ring (hopper.cuh's STAGES; the forward's of K, forward_v_stages gives V's):
+# the dK/dV pass holds a (Q, dO) slot until the next use's scores are issued, so it takes more to keep its
+# loads ahead.
 HOPPER_STAGES = {"forward_sm90": 2, "backward_dq_sm90": 2, "backward_dkdv_sm90": 3, "backward_sm90": 2}
 ARCH = dict.fromkeys(HOPPER_STAGES, "sm_90a")
 KERNELS = tuple(TILES)
@@ -132,11 +132,33 @@ def fused_kv_buffers(head_dim: int, tiles: tuple[int, int, int]) -> int:
     return 2 if head_dim <= 64 and tiles[0] <= 64 else 1
 
 
-def forward_q_buffers(head_dim: int) -> int:
-    """The Hopper forward's Q buffers (its Q_BUFFERS): two at head dim 64, so that the next item's Q is copied
-    while this one runs (short rows, a narrow window, notice); one at 128, where the rings of K and V take the
-    rest of the 227 KiB (two buffers of 192 keys, or three of 128: hopper_stages)."""
-    return 1 if head_dim > 64 else 2
+def forward_q_buffers(head_dim: int, tiles: tuple[int, int, int]) -> int:
+    """The Hopper forward's Q buffers (its Q_BUFFERS): two, so that the next item's Q is copied while this one
+    runs (short rows, a narrow window, notice), but one with key tiles of 192 at head dim 128, where two
+    buffers of K and of V take the rest of the 227 KiB."""
+    return 1 if head_dim > 64 and tiles[1] > 128 else 2
+
+
+def forward_v_stages(head_dim: int, tiles: tuple[int, int, int]) -> int:
+    """The Hopper forward's buffers of V (its V_STAGES; K takes hopper_stages'): three with key tiles of 128
+    at head dim 128, two elsewhere. V_i is held a step longer than K_i (until O += P_i V_i lands, in step
+    i + 1), so a third V buffer keeps the in-order copies a tile further ahead, where a third K buffer would
+    not; with two K buffers the 227 KiB hold a second Q buffer too. On an H100 (forward, against three of
+    each and one Q buffer, 4 rounds): S = 4096 x1.01 on dense, causal, local1024 and strided8; S = 16384
+    x1.00 to x1.01, causal x0.98 (it moves by 5 % from run to run in both)."""
+    return 3 if head_dim > 64 and tiles[1] <= 128 else hopper_stages("forward_sm90")
+
+
+def forward_stage_out(head_dim: int, tiles: tuple[int, int, int]) -> bool:
+    """Whether the Hopper forward writes a row's output through its Q buffer and a TMA store (its STAGE_OUT)
+    instead of from registers: with two Q buffers at head dim 128 and on the 192-row tiles at 64. From
+    registers, a row end cost about 1.8 tiles' time at head dim 128 (H100, rows of a fixed number of full
+    tiles: 3.2 us a row beside 1.73 us a tile), 1.5 us of it the stores. H100 forward against one Q buffer and
+    stores from registers, 3 rounds: head dim 128 local1024 x1.055 / x1.034 (S = 4096 / 16384), strided8
+    x1.050 / x1.036, dense S = 4096 x1.025, causal x1.014 / x1.008; the 192-row tiles dense S = 16384 x1.014.
+    The 128-row tiles at head dim 64 ran local1024 x1.02-1.03 but dense S = 4096 x0.98 in two runs, so they
+    keep the stores from registers."""
+    return forward_q_buffers(head_dim, tiles) > 1 and (head_dim > 64 or tiles[0] > 128)
 
 
 def forward_split_steps(head_dim: int, tiles: tuple[int, int, int]) -> bool:
@@ -176,15 +198,13 @@ def descriptor_add64(kernel: str, tiles: tuple[int, int, int]) -> bool:
     return kernel == "backward_sm90" or (kernel == "forward_sm90" and tiles[0] > 128)
 
 
-def hopper_stages(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int:
-    """A Hopper pass's ring buffers (its STAGES): HOPPER_STAGES, but three for the forward's key tiles of 128
-    at head dim 128, whose loads then run a tile further ahead. On an H100 (forward, against two buffers and
-    two Q buffers, two runs): causal x1.02 / x1.00-1.02, local1024 x1.01-1.04 at S = 16384, strided8 x1.00 to
-    x1.05, dense S = 4096 x1.01, local1024 S = 4096 x0.99 (its short rows miss the second Q buffer). Three at
-    head dim 64 ran x0.97-0.98 at S = 16384; on the 192-row tiles (146 KiB), x1.00 and x1.01 on dense and
-    causal at S = 16384 (5 rounds), so they keep two."""
-    if kernel == "forward_sm90" and head_dim > 64 and tiles[1] <= 128:
-        return 3
+def hopper_stages(kernel: str) -> int:
+    """A Hopper pass's ring buffers (its STAGES; the forward's of K, forward_v_stages gives V's). Three for
+    both K and V with the forward's key tiles of 128 at head dim 128 had run, against two and two Q buffers:
+    causal x1.02 / x1.00-1.02, local1024 x1.01-1.04 at S = 16384, strided8 x1.00 to x1.05, local1024 S = 4096
+    x0.99; a third buffer of V alone now keeps that lead beside the second Q buffer. Three at head dim 64 ran
+    x0.97-0.98 at S = 16384; on the 192-row tiles (146 KiB), x1.00 and x1.01 on dense and causal at S = 16384
+    (5 rounds), so they keep two."""
     return HOPPER_STAGES[kernel]
 
 
@@ -198,12 +218,12 @@ def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int
         return row * (tm + 2 * 2 * tn)
     if kernel in ARCH:  # the kernel's Shared struct (1024-aligned), and 1024 bytes to align it (not the fused
         # backward's, which fills the 227 KiB at head dim 64 and starts where dynamic shared memory does)
-        stages, barrier = hopper_stages(kernel, head_dim, tiles), 8  # an mbarrier is 8 bytes
-        q_buffers = forward_q_buffers(head_dim)
+        stages, barrier = hopper_stages(kernel), 8  # an mbarrier is 8 bytes
+        q_buffers, v_stages = forward_q_buffers(head_dim, tiles), forward_v_stages(head_dim, tiles)
         payload = {
             # Q buffers; stages of K and V; full/empty barriers for each buffer of the three rings
-            "forward_sm90": 2 * head_dim * (q_buffers * tm + 2 * stages * tn)
-            + barrier * 2 * (q_buffers + 2 * stages),
+            "forward_sm90": 2 * head_dim * (q_buffers * tm + (stages + v_stages) * tn)
+            + barrier * 2 * (q_buffers + stages + v_stages),
             # Q and dO; stages of K and V; barriers as the forward's
             "backward_dq_sm90": 2 * head_dim * (2 * tm + 2 * stages * tn) + barrier * (1 + 4 * stages),
             # K and V; stages of Q, dO and their two fp32 statistics; a barrier for K and V and the ring's
@@ -388,12 +408,14 @@ class KernelSpec:
             lines.append(f"#define CSA_SCORE(s, b, h, q, k) ({self.score[0]})")
             lines.append(f"#define CSA_SCORE_GRAD(s, b, h, q, k) ({self.score[1]})")
         if self.arch is not None:
-            lines.append(f"#define STAGES {hopper_stages(self.kernel, self.padded_head_dim, self.tiles)}")
+            lines.append(f"#define STAGES {hopper_stages(self.kernel)}")
             lines.append(f"#define DESC_ADD64 {int(descriptor_add64(self.kernel, self.tiles))}")
             if self.kernel == "backward_sm90":
                 lines.append(f"#define KV_BUFFERS {fused_kv_buffers(self.padded_head_dim, self.tiles)}")
             if self.kernel == "forward_sm90":
-                lines.append(f"#define Q_BUFFERS {forward_q_buffers(self.padded_head_dim)}")
+                lines.append(f"#define Q_BUFFERS {forward_q_buffers(self.padded_head_dim, self.tiles)}")
+                lines.append(f"#define V_STAGES {forward_v_stages(self.padded_head_dim, self.tiles)}")
+                lines.append(f"#define STAGE_OUT {int(forward_stage_out(self.padded_head_dim, self.tiles))}")
                 split_steps = forward_split_steps(self.padded_head_dim, self.tiles)
                 lines.append(f"#define SPLIT_STEPS {int(split_steps)}")
                 scaled_max = forward_scaled_max(self.padded_head_dim, self.tiles)

@@ -524,7 +524,8 @@ class Forward:
 
         batch, heads_q = q.shape[:2]
         self.device = device = q.device[1]
-        kernel = "forward" if tiles or hopper_reasons(q, k, v) else "forward_sm90"
+        out_reasons = _tma_reasons("out", out) if out is not None else []
+        kernel = "forward" if tiles or hopper_reasons(q, k, v) or out_reasons else "forward_sm90"
         # The tables' uploads, on the stream of the first launch that reads them.
         with cupy.cuda.Device(device), _stream(q.stream):
             _bind(device)
@@ -536,7 +537,8 @@ class Forward:
                 ctas = min(batch * heads_q * tables.plan.tiles_q, sm_count(device))
                 work = tables.work(batch, heads_q, ctas, _FORWARD_GROUP * sm_count(device))
                 grid = (ctas, 1, 1)
-                rows = _tma_rows(tiles, ("q", "k", "v"))
+                # Q copied and out stored in tiles of 64 rows, a consumer's (kernels/forward_sm90.cu).
+                rows = {"q": 64, "k": tiles[1], "v": tiles[1], "out": 64}
             else:
                 grid = (tables.plan.tiles_q, heads_q, batch)
             made = {"out": _Like(q.shape, q.dtype), "lse": _Like(q.shape[:3], "float32")}

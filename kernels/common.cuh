@@ -427,12 +427,11 @@ struct OnlineSoftmax {
     }
 };
 
-// The forward's end for a warp's 16 rows from `row0`: out = acc / l (0 where a row saw nothing) and
-// lse = m * ln2 + ln(l) (-inf there).
-__device__ __forceinline__ void finish_rows(const Params& p, const OnlineSoftmax& sm, float (&o)[HEAD_DIM / 8][4],
-                                            int b, int h, int row0, int lane) {
+// The forward's statistics for a warp's 16 rows from `row0`: writes lse = m * ln2 + ln(l) (-inf where a row
+// saw nothing) and returns in `inv` the factors 1 / l (0 there) that normalise the thread's two rows of out.
+__device__ __forceinline__ void finish_lse(const Params& p, const OnlineSoftmax& sm, int b, int h, int row0,
+                                           int lane, float (&inv)[2]) {
     const int g = lane >> 2, t = lane & 3;
-    float inv[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const float l = quad_sum(sm.l[r]);
@@ -441,6 +440,13 @@ __device__ __forceinline__ void finish_rows(const Params& p, const OnlineSoftmax
         if (t == 0 && q < p.seq_q)
             p.lse[b * p.lse_sb + h * p.lse_sh + q] = l > 0.f ? sm.m[r] * LN2 + logf(l) : -INFINITY;
     }
+}
+
+// The forward's end for a warp's 16 rows from `row0`: lse (finish_lse) and out = acc / l.
+__device__ __forceinline__ void finish_rows(const Params& p, const OnlineSoftmax& sm, float (&o)[HEAD_DIM / 8][4],
+                                            int b, int h, int row0, int lane) {
+    float inv[2];
+    finish_lse(p, sm, b, h, row0, lane, inv);
     store_rows<HEAD_DIM>(o, inv, p.o + b * p.o_sb + h * p.o_sh, p.o_ss, row0, p.seq_q, 0, lane);
 }
 

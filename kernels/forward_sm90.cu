@@ -8,16 +8,17 @@
 // long as its products; key tiles of 128, or 192 at head dim 128, fewer steps for the same products. Those
 // wide tiles (build.WIDE_TILES) run where the host finds that they pay (cuda._wide_pays). The producer
 // gives most of its registers to the others; one of its threads copies each item's Q tile into a ring of
-// Q_BUFFERS, then the K and V tiles that the layout's row lists into two rings of STAGES buffers
-// (hopper.cuh's Ring); the rings run on across items. K_i is released once S_i has landed, a step before
-// V_i, so the next K copy starts early, and Q once the row's last S has landed; with two Q buffers the
-// next item's Q is copied while this one runs. Each consumer warpgroup owns 64 query rows: S = Q K^T from
+// Q_BUFFERS, then the K and V tiles that the layout's row lists into two rings (hopper.cuh's Ring); the
+// rings run on across items. K_i is released once S_i has landed, a step before V_i, so the next K copy
+// starts early, and Q once the row's last S has landed, or once out has been stored from it (STAGE_OUT);
+// with two Q buffers the next item's Q is copied while this one runs. Each consumer warpgroup owns 64 query rows: S = Q K^T from
 // shared memory, then the mask, score mod and online softmax of the mma.sync kernel (a warp holds its
 // accumulators alike), then O += P V with P from registers, overlapped with the next tile's softmax. The
 // consumers take turns to issue their products, so that one's softmax overlaps the others' matrix
 // products. Items run on into each other: a row's last O += P V is issued with the next row's first S, and
 // the row is written out while that S is in flight, so that short rows (narrow windows, S = 4096) keep the
-// tensor cores busy. Writes out [B, Hq, Sq, D] and lse [B, Hq, Sq] as forward.cu does.
+// tensor cores busy. Writes out [B, Hq, Sq, D] (o_map: tiles of 64 rows) and lse [B, Hq, Sq] as forward.cu
+// does.
 #include "hopper.cuh"
 
 using namespace csa;
@@ -26,9 +27,19 @@ static_assert(TILE_M == CONSUMERS * 64, "a consumer warpgroup for each 64 query 
 static_assert(TILE_N % 16 == 0 && TILE_N <= 256, "a key tile is one wgmma N");
 
 constexpr unsigned Q_BYTES = TILE_M * HEAD_DIM * sizeof(elem_t);
-// Q_BUFFERS (build.forward_q_buffers): two at head dim 64, so that the next item's Q is copied while this one
-// runs, which short rows (a narrow window) notice; one at 128, where K and V take three buffers of 128 keys
-// or two of 192 (STAGES, build.hopper_stages).
+// STAGE_OUT (build.forward_stage_out; two Q buffers): a consumer writes its rows of out into its rows of the
+// row's Q buffer, which a TMA store copies out while the next row runs, and the buffer goes back once the
+// store has read it. Written from registers, each store of 4-byte pieces of 8 rows passes through L1 eight
+// times while the consumers' row ends hold the tensor cores idle. With one Q buffer the next row's Q waits in
+// it: the rows are written from registers.
+static_assert(!STAGE_OUT || Q_BUFFERS > 1, "out is staged in the row's Q buffer while the next row's Q is in the other");
+// Named barriers: 1 to CONSUMERS are the turns (hopper.cuh); OUT_BAR + consumer holds a consumer's threads
+// until its rows of out are in shared memory.
+constexpr int OUT_BAR = CONSUMERS + 1;
+// Q_BUFFERS (build.forward_q_buffers): two, so that the next item's Q is copied while this one runs, which
+// short rows (a narrow window) notice; one beside key tiles of 192 (head dim 128), whose two K and two V
+// buffers fill the rest. K takes STAGES buffers, V V_STAGES (build.forward_v_stages: three with key tiles of
+// 128 at head dim 128, as V is held a step longer than K).
 // setmaxnreg moves registers within what the CTA was launched with, 65536 / THREADS a thread in whole 8s (168
 // beside two consumers, 128 beside three): a claim beyond what the producer frees never returns. The producer
 // keeps 24 and the consumers share the rest, 240 each of two or 160 each of three.
@@ -41,9 +52,10 @@ static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (CONSUMERS + 1) * LAU
 struct alignas(1024) Shared {
     elem_t q[Q_BUFFERS][TILE_M * HEAD_DIM];
     elem_t k[STAGES][TILE_N * HEAD_DIM];
-    elem_t v[STAGES][TILE_N * HEAD_DIM];
+    elem_t v[V_STAGES][TILE_N * HEAD_DIM];
     Ring<Q_BUFFERS> q_ring;
-    Ring<STAGES> k_ring, v_ring;
+    Ring<STAGES> k_ring;
+    Ring<V_STAGES> v_ring;
 };
 // The builder launches with sizeof(Shared) and 1024 bytes to align it: dynamic shared memory is only
 // guaranteed 16-byte alignment.
@@ -51,14 +63,15 @@ static_assert(sizeof(Shared) + 1024 == SHARED_BYTES, "the builder launches with 
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     csa_forward_sm90(const __grid_constant__ Params p, const __grid_constant__ TensorMap q_map,
-                     const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map) {
+                     const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map,
+                     const __grid_constant__ TensorMap o_map) {
     extern __shared__ unsigned char smem_raw[];
     Shared& sh = aligned_shared<Shared>(smem_raw);
     if (threadIdx.x == 0 && dynamic_smem_size() < SHARED_BYTES) __trap();
     const int warpgroup = uniform_warpgroup();
 
     if (threadIdx.x == 0) {
-        sh.q_ring.init(CONSUMERS * 128);
+        sh.q_ring.init(STAGE_OUT ? CONSUMERS : CONSUMERS * 128);  // staged: a thread of each consumer
         sh.k_ring.init(CONSUMERS * 128);
         sh.v_ring.init(CONSUMERS * 128);
         fence_barrier_init();
@@ -75,8 +88,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 const Row row = walk.take(p);
                 const Span span{row.begin, row.end - row.begin};
                 if (span.count == 0) continue;
-                tma_load_tile(sh.q[rows_done % Q_BUFFERS], q_map, sh.q_ring.fill(rows_done, Q_BYTES), row.q0, row.h,
-                              row.b);
+                // A copy of 64 rows for each consumer: its rows of the tile, all panels, are then contiguous
+                // (the 64-row tile that o_map's stores read).
+                Barrier& q_full = sh.q_ring.fill(rows_done, Q_BYTES);
+                for (int c = 0; c < CONSUMERS; ++c)
+                    tma_load_tile(sh.q[rows_done % Q_BUFFERS] + c * 64 * HEAD_DIM, q_map, q_full, row.q0 + c * 64,
+                                  row.h, row.b);
                 ++rows_done;
                 stream_kv<TILE_N>(p, span, row.h / p.group, row.b, sh.k, sh.v, k_map, v_map, sh.k_ring, sh.v_ring,
                                   uses);
@@ -94,19 +111,45 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     float sc[TILE_N / 8][4];
     unsigned pa[TILE_N / 16][4];
     float alpha[2];
+    // The consumer's 64 rows of Q's use `q_use` ([HEAD_DIM / 64 panels][64 rows][64], swizzled).
+    auto q_rows = [&](int q_use) { return sh.q[q_use % Q_BUFFERS] + consumer * 64 * HEAD_DIM; };
     // Ring use `use` of K and V; Q's `q_use`.
     auto issue_scores_of = [&](int q_use, int use) {
         sh.k_ring.wait(use);
-        issue_ABt<TILE_N, TILE_M>(sc, sh.q[q_use % Q_BUFFERS] + consumer * 64 * 64, sh.k[use % STAGES]);
+        issue_ABt<TILE_N, 64>(sc, q_rows(q_use), sh.k[use % STAGES]);
     };
     auto issue_output_of = [&](int use) {
         sh.v_ring.wait(use);
-        issue_PB<TILE_N>(o, pa, sh.v[use % STAGES]);
+        issue_PB<TILE_N>(o, pa, sh.v[use % V_STAGES]);
     };
     // Once O += P V of `use` has landed: hands V's buffer back to the producer; pa is free again.
     auto finish_output_of = [&](int use) {
         fence_operands(o, pa);
         sh.v_ring.release(use);
+    };
+    // Writes out row `r`, whose Q was use `q_use`, once its last O += P V has landed (STAGE_OUT: through its Q
+    // buffer, which return_q then hands back).
+    auto write_out = [&](const Row& r, int q_use) {
+        if constexpr (STAGE_OUT) {
+            float inv[2];
+            finish_lse(p, sm, r.b, r.h, r.q0 + rows, lane, inv);
+            OnlineSoftmax::rescale(o, inv);
+            store_tile(o, 1.f, q_rows(q_use));
+            fence_stores_for_async();
+            named_barrier(OUT_BAR + consumer, 128);
+            if (threadIdx.x % 128 == 0) {
+                tma_store_tile(o_map, q_rows(q_use), r.q0 + consumer * 64, r.h, r.b);
+                bulk_commit();
+            }
+        } else {
+            finish_rows(p, sm, o, r.b, r.h, r.q0 + rows, lane);
+        }
+    };
+    auto return_q = [&](int q_use) {
+        if (STAGE_OUT && threadIdx.x % 128 == 0) {
+            bulk_wait_read();
+            sh.q_ring.release(q_use);
+        }
     };
 
     // Once a row has run (rows_done > 0), `last` is the one whose last O += P V, ring use uses - 1, is still to
@@ -138,7 +181,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             wgmma_wait_behind(behind);
             fence_operands(sc);
             sh.k_ring.release(uses + i);
-            if (i == count - 1) sh.q_ring.release(rows_done);  // the row's last use of Q
+            if (!STAGE_OUT && i == count - 1) sh.q_ring.release(rows_done);  // the row's last use of Q
             apply_score_mod<false, TILE_N>(p, sc, b, h, TilePos<false>(p, row.q0, k0, rows, lane));
             mask.hide(p, sc, b, h, row.q0, k0, rows, lane);
             sm.step<SCALED_MAX>(sc, softmax_scale(p), alpha);
@@ -183,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             pass_turn(consumer);
             wgmma_wait<1>();
             finish_output_of(uses - 1);
-            finish_rows(p, sm, o, last.b, last.h, last.q0 + rows, lane);
+            write_out(last, rows_done - 1);
         } else {
             if (consumer == CONSUMERS - 1) pass_turn(consumer);
             take_turn(consumer);
@@ -200,6 +243,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             softmax_of(0, entry(0), false, true);
         }
         to_a_fragments<TILE_N>(sc, pa);
+        // The last row's store has had this step's softmax to read its tile (the producer's next Q copy waits
+        // for the buffer).
+        if (rows_done > 0) return_q(rows_done - 1);
         for (int i = 1; i < count; ++i) {
             const int2 e = next;
             next = entry(i + 1);
@@ -220,6 +266,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         if (consumer + 1 < CONSUMERS) pass_turn(consumer);
         wgmma_wait<0>();
         finish_output_of(uses - 1);
-        finish_rows(p, sm, o, last.b, last.h, last.q0 + rows, lane);
+        write_out(last, rows_done - 1);
+        if (STAGE_OUT && threadIdx.x % 128 == 0) bulk_wait_read();  // shared memory outlives the store's read
     }
 }

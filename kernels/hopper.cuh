@@ -151,18 +151,18 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 
 // The producer's part of a row-walking pass: the K and V tiles (ROWS keys, key/value head hk, batch element b)
-// of each entry of `span` into their rings, the next copy issued as soon as a buffer is free. The rings have
-// been used `first` times before (earlier work items of a persistent CTA).
-template <int ROWS>
+// of each entry of `span` into their rings (of K_DEPTH and V_DEPTH buffers), the next copy issued as soon as a
+// buffer is free. The rings have been used `first` times before (earlier work items of a persistent CTA).
+template <int ROWS, int K_DEPTH, int V_DEPTH>
 __device__ __forceinline__ void stream_kv(const Params& p, Span span, int hk, int b, elem_t (*k)[ROWS * HEAD_DIM],
                                           elem_t (*v)[ROWS * HEAD_DIM], const TensorMap& k_map,
-                                          const TensorMap& v_map, Ring<STAGES>& k_ring, Ring<STAGES>& v_ring,
+                                          const TensorMap& v_map, Ring<K_DEPTH>& k_ring, Ring<V_DEPTH>& v_ring,
                                           int first) {
     constexpr unsigned BYTES = ROWS * HEAD_DIM * sizeof(elem_t);
     for (int i = 0; i < span.count; ++i) {
         const int k0 = p.entries[span.begin + i].x * ROWS, use = first + i;
-        tma_load_tile(k[use % STAGES], k_map, k_ring.fill(use, BYTES), k0, hk, b);
-        tma_load_tile(v[use % STAGES], v_map, v_ring.fill(use, BYTES), k0, hk, b);
+        tma_load_tile(k[use % K_DEPTH], k_map, k_ring.fill(use, BYTES), k0, hk, b);
+        tma_load_tile(v[use % V_DEPTH], v_map, v_ring.fill(use, BYTES), k0, hk, b);
     }
 }
 

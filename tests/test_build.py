@@ -90,15 +90,21 @@ def test_the_hopper_forward_may_take_wide_tiles(head_dim, wide):
     shape = f"q{wide[0]}k{wide[1]}w{wide[2]}"
     assert any(n.startswith(f"forward_sm90_f16_d{head_dim}_{shape}_none") for n in names)
     assert any(n.startswith(f"forward_sm90_bf16_d{head_dim}_{shape}_expr") for n in names)
-    # The next item's Q in a second buffer, but at head dim 128, where 227 KiB hold one beside two K/V
-    # buffers of 192 keys or three of 128.
-    q_buffers = 1 if head_dim == 128 else 2
-    assert build.forward_q_buffers(head_dim) == q_buffers
+    # The next item's Q in a second buffer, but beside key tiles of 192 (head dim 128), whose two K and two V
+    # buffers leave room for one; a third V buffer with key tiles of 128 at 128. Out staged in the Q buffer
+    # where there are two, but on the 128-row tiles at head dim 64.
     narrow = build.tile_config("forward_sm90", head_dim)
-    for tiles, stages in ((wide, 2), (narrow, 3 if head_dim == 128 else 2)):
-        assert build.hopper_stages("forward_sm90", head_dim, tiles) == stages
+    for tiles in (wide, narrow):
+        q_buffers = 1 if head_dim == 128 and tiles[1] == 192 else 2
+        v_stages = 3 if head_dim == 128 and tiles[1] == 128 else 2
+        staged = q_buffers == 2 and (head_dim == 128 or tiles[0] == 192)
+        assert build.forward_q_buffers(head_dim, tiles) == q_buffers
+        assert build.forward_v_stages(head_dim, tiles) == v_stages
+        assert build.forward_stage_out(head_dim, tiles) == staged
         prelude = build.KernelSpec.make("forward_sm90", "bfloat16", head_dim, tiles=tiles).prelude()
-        assert f"#define Q_BUFFERS {q_buffers}" in prelude and f"#define STAGES {stages}" in prelude
+        defines = (f"Q_BUFFERS {q_buffers}", "STAGES 2", f"V_STAGES {v_stages}", f"STAGE_OUT {int(staged)}")
+        for define in defines:
+            assert f"#define {define}\n" in prelude
         # A full tile's step in its own copy at head dim 128 and on the 192-row tiles at 64 (two copies ran
         # slower on the 128-row ones), which also step their descriptors with 64-bit adds.
         three_consumers = tiles[0] == 192

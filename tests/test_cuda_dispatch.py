@@ -205,13 +205,13 @@ def test_a_second_call_reuses_the_passes_and_packs_its_own_arrays(launches, monk
     assert [len(p._bound) for p in passes] == [1, 1, 1]
 
 
-def _forward(head_dim, seq=300, pattern=None, **kwargs):
+def _forward(head_dim, seq=300, pattern=None, out_kwargs=None, **kwargs):
     q, k, v = (
         Holder((2, 4, seq, head_dim), **kwargs),
         Holder((2, 2, seq, head_dim)),
         Holder((2, 2, seq, head_dim)),
     )
-    out, lse = Holder((2, 4, seq, head_dim)), Holder((2, 4, seq), dtype="float32")
+    out, lse = Holder((2, 4, seq, head_dim), **(out_kwargs or {})), Holder((2, 4, seq), dtype="float32")
     layout = (pattern or patterns.causal(block=64)).layout(seq)
     cuda.forward(q, k, v, out, lse, layout, 0.1)
     return layout  # its device tables live as long as it does
@@ -228,7 +228,7 @@ def _forward(head_dim, seq=300, pattern=None, **kwargs):
         (64, 132, 400, True),
     ],
 )
-def test_hopper_gpus_run_the_hopper_forward_with_three_tma_maps(
+def test_hopper_gpus_run_the_hopper_forward_with_four_tma_maps(
     launches, monkeypatch, head_dim, sms, seq, wide
 ):
     monkeypatch.setattr(cuda, "compute_capability", lambda device: 90)
@@ -243,7 +243,7 @@ def test_hopper_gpus_run_the_hopper_forward_with_three_tma_maps(
     assert name.startswith(f"forward_sm90_bf16_d{head_dim}_q{tm}k{tn}w{nw}") and threads == 32 * nw
     tiles_q = -(-seq // tm)
     items = 8 * tiles_q
-    assert grid == (min(items, sms), 1, 1) and nargs == 4  # the parameters, then q, k, v maps
+    assert grid == (min(items, sms), 1, 1) and nargs == 5  # the parameters, then q, k, v and out maps
     (tables,) = cuda._tables[id(layout)].values()
     work = tables.work(2, 4, min(items, sms), 2 * sms)["work"]  # plan.work_order deals it (test_plan)
     assert args[0]["work"] == work.data.ptr and args[0]["work_count"] == work.size
@@ -252,9 +252,12 @@ def test_hopper_gpus_run_the_hopper_forward_with_three_tma_maps(
         assert list(work.host % tiles_q) == [t for t in reversed(range(tiles_q)) for _ in range(8)]
     assert shared == build.shared_bytes("forward_sm90", head_dim, (tm, tn, nw))
     panels = head_dim // 64
-    # q, k, v in that order: [B, H, S, D] as (64, S, D / 64, H, B), boxes of a query or a key tile
-    assert [m[0] for m in maps] == [(64, seq, panels, 4, 2), (64, seq, panels, 2, 2), (64, seq, panels, 2, 2)]
-    assert [m[2] for m in maps] == [(64, tm, panels, 1, 1)] + [(64, tn, panels, 1, 1)] * 2
+    # q, k, v, out in that order: [B, H, S, D] as (64, S, D / 64, H, B), boxes of a key tile, or of a
+    # consumer's 64 rows of a query tile
+    q_dims, kv_dims = (64, seq, panels, 4, 2), (64, seq, panels, 2, 2)
+    assert [m[0] for m in maps] == [q_dims, kv_dims, kv_dims, q_dims]
+    rows_box, key_box = (64, 64, panels, 1, 1), (64, tn, panels, 1, 1)
+    assert [m[2] for m in maps] == [rows_box, key_box, key_box, rows_box]
 
 
 @pytest.mark.parametrize(
@@ -285,8 +288,13 @@ def test_the_hopper_forward_takes_wide_tiles_where_its_schedule_ends_sooner(
 
 @pytest.mark.parametrize(
     ("head_dim", "kwargs", "env"),
-    [(96, {}, None), (128, {"address": 0x10000008}, None), (128, {}, "0")],
-    ids=["head-dim-96", "misaligned", "turned-off"],
+    [
+        (96, {}, None),
+        (128, {"address": 0x10000008}, None),
+        (128, {"out_kwargs": {"address": 0x10000008}}, None),  # the Hopper forward stores out by TMA
+        (128, {}, "0"),
+    ],
+    ids=["head-dim-96", "misaligned", "misaligned-out", "turned-off"],
 )
 def test_the_portable_forward_takes_what_tma_cannot(launches, monkeypatch, head_dim, kwargs, env):
     monkeypatch.setattr(cuda, "compute_capability", lambda device: 90)
