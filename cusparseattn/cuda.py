@@ -537,8 +537,9 @@ class Forward:
                 ctas = min(batch * heads_q * tables.plan.tiles_q, sm_count(device))
                 work = tables.work(batch, heads_q, ctas, _FORWARD_GROUP * sm_count(device))
                 grid = (ctas, 1, 1)
-                # Q copied and out stored in tiles of 64 rows, a consumer's (kernels/forward_sm90.cu).
-                rows = {"q": 64, "k": tiles[1], "v": tiles[1], "out": 64}
+                # Where out is staged, Q is copied and out stored in a consumer's 64 rows (forward_sm90.cu).
+                q_rows = 64 if build.forward_stage_out(q.shape[3], tiles) else tiles[0]
+                rows = {"q": q_rows, "k": tiles[1], "v": tiles[1], "out": 64}
             else:
                 grid = (tables.plan.tiles_q, heads_q, batch)
             made = {"out": _Like(q.shape, q.dtype), "lse": _Like(q.shape[:3], "float32")}

@@ -27,6 +27,10 @@ static_assert(TILE_M == CONSUMERS * 64, "a consumer warpgroup for each 64 query 
 static_assert(TILE_N % 16 == 0 && TILE_N <= 256, "a key tile is one wgmma N");
 
 constexpr unsigned Q_BYTES = TILE_M * HEAD_DIM * sizeof(elem_t);
+// The rows of a Q copy (the builder's q map): a consumer's 64 where out is staged, so that its rows of the tile,
+// all panels, are contiguous (the 64-row tile that o_map's stores read); else the whole tile (two copies of 64
+// at head dim 64, one panel, ran local1024 S = 16384 x0.97). Copies are [HEAD_DIM / 64 panels][Q_ROWS][64].
+constexpr int Q_ROWS = STAGE_OUT ? 64 : TILE_M;
 // STAGE_OUT (build.forward_stage_out; two Q buffers): a consumer writes its rows of out into its rows of the
 // row's Q buffer, which a TMA store copies out while the next row runs, and the buffer goes back once the
 // store has read it. Written from registers, each store of 4-byte pieces of 8 rows passes through L1 eight
@@ -88,12 +92,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 const Row row = walk.take(p);
                 const Span span{row.begin, row.end - row.begin};
                 if (span.count == 0) continue;
-                // A copy of 64 rows for each consumer: its rows of the tile, all panels, are then contiguous
-                // (the 64-row tile that o_map's stores read).
                 Barrier& q_full = sh.q_ring.fill(rows_done, Q_BYTES);
-                for (int c = 0; c < CONSUMERS; ++c)
-                    tma_load_tile(sh.q[rows_done % Q_BUFFERS] + c * 64 * HEAD_DIM, q_map, q_full, row.q0 + c * 64,
-                                  row.h, row.b);
+                for (int r = 0; r < TILE_M; r += Q_ROWS)
+                    tma_load_tile(sh.q[rows_done % Q_BUFFERS] + r * HEAD_DIM, q_map, q_full, row.q0 + r, row.h, row.b);
                 ++rows_done;
                 stream_kv<TILE_N>(p, span, row.h / p.group, row.b, sh.k, sh.v, k_map, v_map, sh.k_ring, sh.v_ring,
                                   uses);
@@ -111,12 +112,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     float sc[TILE_N / 8][4];
     unsigned pa[TILE_N / 16][4];
     float alpha[2];
-    // The consumer's 64 rows of Q's use `q_use` ([HEAD_DIM / 64 panels][64 rows][64], swizzled).
-    auto q_rows = [&](int q_use) { return sh.q[q_use % Q_BUFFERS] + consumer * 64 * HEAD_DIM; };
+    // The consumer's 64 rows of Q's use `q_use`: its own copy, or its rows of the first panel of the tile's.
+    auto q_rows = [&](int q_use) { return sh.q[q_use % Q_BUFFERS] + consumer * 64 * (Q_ROWS == 64 ? HEAD_DIM : 64); };
     // Ring use `use` of K and V; Q's `q_use`.
     auto issue_scores_of = [&](int q_use, int use) {
         sh.k_ring.wait(use);
-        issue_ABt<TILE_N, 64>(sc, q_rows(q_use), sh.k[use % STAGES]);
+        issue_ABt<TILE_N, Q_ROWS>(sc, q_rows(q_use), sh.k[use % STAGES]);
     };
     auto issue_output_of = [&](int use) {
         sh.v_ring.wait(use);

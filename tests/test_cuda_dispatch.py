@@ -252,12 +252,13 @@ def test_hopper_gpus_run_the_hopper_forward_with_four_tma_maps(
         assert list(work.host % tiles_q) == [t for t in reversed(range(tiles_q)) for _ in range(8)]
     assert shared == build.shared_bytes("forward_sm90", head_dim, (tm, tn, nw))
     panels = head_dim // 64
-    # q, k, v, out in that order: [B, H, S, D] as (64, S, D / 64, H, B), boxes of a key tile, or of a
-    # consumer's 64 rows of a query tile
+    # q, k, v, out in that order: [B, H, S, D] as (64, S, D / 64, H, B), boxes of a key tile, of a consumer's
+    # 64 rows, or (q, where out is not staged in its buffer) of a query tile
     q_dims, kv_dims = (64, seq, panels, 4, 2), (64, seq, panels, 2, 2)
     assert [m[0] for m in maps] == [q_dims, kv_dims, kv_dims, q_dims]
-    rows_box, key_box = (64, 64, panels, 1, 1), (64, tn, panels, 1, 1)
-    assert [m[2] for m in maps] == [rows_box, key_box, key_box, rows_box]
+    q_rows = 64 if (head_dim, tn) == (128, 128) or tm == 192 else tm
+    q_box, key_box, out_box = ((64, n, panels, 1, 1) for n in (q_rows, tn, 64))
+    assert [m[2] for m in maps] == [q_box, key_box, key_box, out_box]
 
 
 @pytest.mark.parametrize(
