@@ -11,11 +11,11 @@
 // Q_BUFFERS, then the K and V tiles that the layout's row lists into two rings (hopper.cuh's Ring); the
 // rings run on across items. K_i is released once S_i has landed, a step before V_i, so the next K copy
 // starts early, and Q once the row's last S has landed, or once out has been stored from it (STAGE_OUT);
-// with two Q buffers the next item's Q is copied while this one runs. Each consumer warpgroup owns 64 query rows: S = Q K^T from
-// shared memory, then the mask, score mod and online softmax of the mma.sync kernel (a warp holds its
-// accumulators alike), then O += P V with P from registers, overlapped with the next tile's softmax. The
-// consumers take turns to issue their products, so that one's softmax overlaps the others' matrix
-// products. Items run on into each other: a row's last O += P V is issued with the next row's first S, and
+// with two Q buffers the next item's Q is copied while this one runs. Each consumer warpgroup owns 64 query
+// rows: S = Q K^T from shared memory, then the mask, score mod and online softmax of the mma.sync kernel (a
+// warp holds its accumulators alike), then O += P V with P from registers, overlapped with the next tile's
+// softmax. The consumers take turns to issue their products, so that one's softmax overlaps the others'
+// matrix products. Items run on into each other: a row's last O += P V is issued with the next row's first S, and
 // the row is written out while that S is in flight, so that short rows (narrow windows, S = 4096) keep the
 // tensor cores busy. Writes out [B, Hq, Sq, D] (o_map: tiles of 64 rows) and lse [B, Hq, Sq] as forward.cu
 // does.
@@ -27,16 +27,17 @@ static_assert(TILE_M == CONSUMERS * 64, "a consumer warpgroup for each 64 query 
 static_assert(TILE_N % 16 == 0 && TILE_N <= 256, "a key tile is one wgmma N");
 
 constexpr unsigned Q_BYTES = TILE_M * HEAD_DIM * sizeof(elem_t);
-// The rows of a Q copy (the builder's q map): a consumer's 64 where out is staged, so that its rows of the tile,
-// all panels, are contiguous (the 64-row tile that o_map's stores read); else the whole tile (two copies of 64
-// at head dim 64, one panel, ran local1024 S = 16384 x0.97). Copies are [HEAD_DIM / 64 panels][Q_ROWS][64].
-constexpr int Q_ROWS = STAGE_OUT ? 64 : TILE_M;
 // STAGE_OUT (build.forward_stage_out; two Q buffers): a consumer writes its rows of out into its rows of the
 // row's Q buffer, which a TMA store copies out while the next row runs, and the buffer goes back once the
 // store has read it. Written from registers, each store of 4-byte pieces of 8 rows passes through L1 eight
 // times while the consumers' row ends hold the tensor cores idle. With one Q buffer the next row's Q waits in
 // it: the rows are written from registers.
-static_assert(!STAGE_OUT || Q_BUFFERS > 1, "out is staged in the row's Q buffer while the next row's Q is in the other");
+static_assert(!STAGE_OUT || Q_BUFFERS > 1, "out is staged in one Q buffer while the next row's Q is in the other");
+// The rows of a Q copy (the builder's q map): a consumer's 64 where out is staged, so that its rows of the
+// tile, all panels, are contiguous (the 64-row tile that o_map's stores read); else the whole tile (two
+// copies of 64 at head dim 64, one panel, ran local1024 S = 16384 x0.97). Copies are [HEAD_DIM / 64
+// panels][Q_ROWS][64].
+constexpr int Q_ROWS = STAGE_OUT ? 64 : TILE_M;
 // Named barriers: 1 to CONSUMERS are the turns (hopper.cuh); OUT_BAR + consumer holds a consumer's threads
 // until its rows of out are in shared memory.
 constexpr int OUT_BAR = CONSUMERS + 1;
