@@ -161,6 +161,14 @@ def forward_stage_out(head_dim: int, tiles: tuple[int, int, int]) -> bool:
     return forward_q_buffers(head_dim, tiles) > 1 and (head_dim > 64 or tiles[0] > 128)
 
 
+def forward_q_rows(head_dim: int, tiles: tuple[int, int, int]) -> int:
+    """The rows of each of the Hopper forward's Q copies (its Q_ROWS, and the box of cuda.Forward's q map):
+    a consumer's 64 where out is staged (forward_stage_out), so that its rows of the tile, all panels, are
+    the contiguous 64-row tile that the out map's stores read; the whole query tile elsewhere (two copies of
+    64 on the 128-row tiles at head dim 64, one panel, ran local1024 S = 16384 x0.97)."""
+    return 64 if forward_stage_out(head_dim, tiles) else tiles[0]
+
+
 def forward_split_steps(head_dim: int, tiles: tuple[int, int, int]) -> bool:
     """Whether the Hopper forward runs a full tile's step in its own copy without the mask (its SPLIT_STEPS):
     at head dim 128, and on the 192-row tiles at 64 (three consumers), where ptxas then waits for O += P V
@@ -416,6 +424,7 @@ class KernelSpec:
                 lines.append(f"#define Q_BUFFERS {forward_q_buffers(self.padded_head_dim, self.tiles)}")
                 lines.append(f"#define V_STAGES {forward_v_stages(self.padded_head_dim, self.tiles)}")
                 lines.append(f"#define STAGE_OUT {int(forward_stage_out(self.padded_head_dim, self.tiles))}")
+                lines.append(f"#define Q_ROWS {forward_q_rows(self.padded_head_dim, self.tiles)}")
                 split_steps = forward_split_steps(self.padded_head_dim, self.tiles)
                 lines.append(f"#define SPLIT_STEPS {int(split_steps)}")
                 scaled_max = forward_scaled_max(self.padded_head_dim, self.tiles)

@@ -112,20 +112,21 @@ def hopper_device_reasons(device: int) -> list[str]:
     return []
 
 
-def hopper_reasons(q, k, v, dout=None) -> list[str]:
-    """Why a pass cannot take the Hopper kernels for these device arrays (dout: the backward's; empty when it
-    can); it then runs the portable ones."""
+def hopper_reasons(q, k, v, dout=None, out=None) -> list[str]:
+    """Why a pass cannot take the Hopper kernels for these device arrays (dout: the backward's; out: the
+    forward's, which it stores by TMA, where the caller gives one; empty when it can); it then runs the
+    portable ones."""
     if reasons := hopper_device_reasons(q.device[1]):
         return reasons
     if q.shape[3] not in build.HOPPER_HEAD_DIMS:
         return [f"the Hopper kernels take head dims {build.HOPPER_HEAD_DIMS}, got {q.shape[3]}"]
-    named = (("q", q), ("k", k), ("v", v)) + ((("dout", dout),) if dout is not None else ())
-    return [reason for name, t in named for reason in _tma_reasons(name, t)]
+    named = (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out))
+    return [reason for name, t in named if t is not None for reason in _tma_reasons(name, t)]
 
 
 def _tma_reasons(name: str, t) -> list[str]:
     return [
-        f"TMA cannot read {name}: {reason}"
+        f"TMA cannot copy {name}: {reason}"
         for reason in tma.reasons(tuple(t.shape), tuple(t.strides), tma.ITEMSIZE, t.data_ptr % 16)
     ]
 
@@ -524,8 +525,7 @@ class Forward:
 
         batch, heads_q = q.shape[:2]
         self.device = device = q.device[1]
-        out_reasons = _tma_reasons("out", out) if out is not None else []
-        kernel = "forward" if tiles or hopper_reasons(q, k, v) or out_reasons else "forward_sm90"
+        kernel = "forward" if tiles or hopper_reasons(q, k, v, out=out) else "forward_sm90"
         # The tables' uploads, on the stream of the first launch that reads them.
         with cupy.cuda.Device(device), _stream(q.stream):
             _bind(device)
@@ -537,9 +537,8 @@ class Forward:
                 ctas = min(batch * heads_q * tables.plan.tiles_q, sm_count(device))
                 work = tables.work(batch, heads_q, ctas, _FORWARD_GROUP * sm_count(device))
                 grid = (ctas, 1, 1)
-                # Where out is staged, Q is copied and out stored in a consumer's 64 rows (forward_sm90.cu).
-                q_rows = 64 if build.forward_stage_out(q.shape[3], tiles) else tiles[0]
-                rows = {"q": q_rows, "k": tiles[1], "v": tiles[1], "out": 64}
+                # out is stored in a consumer's 64 rows (forward_sm90.cu)
+                rows = {"q": build.forward_q_rows(q.shape[3], tiles), "k": tiles[1], "v": tiles[1], "out": 64}
             else:
                 grid = (tables.plan.tiles_q, heads_q, batch)
             made = {"out": _Like(q.shape, q.dtype), "lse": _Like(q.shape[:3], "float32")}

@@ -33,11 +33,11 @@ constexpr unsigned Q_BYTES = TILE_M * HEAD_DIM * sizeof(elem_t);
 // times while the consumers' row ends hold the tensor cores idle. With one Q buffer the next row's Q waits in
 // it: the rows are written from registers.
 static_assert(!STAGE_OUT || Q_BUFFERS > 1, "out is staged in one Q buffer while the next row's Q is in the other");
-// The rows of a Q copy (the builder's q map): a consumer's 64 where out is staged, so that its rows of the
-// tile, all panels, are contiguous (the 64-row tile that o_map's stores read); else the whole tile (two
-// copies of 64 at head dim 64, one panel, ran local1024 S = 16384 x0.97). Copies are [HEAD_DIM / 64
-// panels][Q_ROWS][64].
-constexpr int Q_ROWS = STAGE_OUT ? 64 : TILE_M;
+// Q_ROWS (build.forward_q_rows, also the q map's box): the rows of each Q copy, laid out as [HEAD_DIM / 64
+// panels][Q_ROWS rows][64]; a consumer's 64 where out is staged, so that its rows are the 64-row tile that
+// o_map's stores read.
+static_assert((Q_ROWS == 64 || Q_ROWS == TILE_M) && (!STAGE_OUT || Q_ROWS == 64),
+              "a Q copy is a consumer's rows or the whole tile, and a consumer's where out is staged");
 // Named barriers: 1 to CONSUMERS are the turns (hopper.cuh); OUT_BAR + consumer holds a consumer's threads
 // until its rows of out are in shared memory.
 constexpr int OUT_BAR = CONSUMERS + 1;

@@ -98,11 +98,14 @@ def test_the_hopper_forward_may_take_wide_tiles(head_dim, wide):
         q_buffers = 1 if head_dim == 128 and tiles[1] == 192 else 2
         v_stages = 3 if head_dim == 128 and tiles[1] == 128 else 2
         staged = q_buffers == 2 and (head_dim == 128 or tiles[0] == 192)
+        q_rows = 64 if staged else tiles[0]  # a Q copy: a consumer's rows where out is staged from them
         assert build.forward_q_buffers(head_dim, tiles) == q_buffers
         assert build.forward_v_stages(head_dim, tiles) == v_stages
         assert build.forward_stage_out(head_dim, tiles) == staged
+        assert build.forward_q_rows(head_dim, tiles) == q_rows
         prelude = build.KernelSpec.make("forward_sm90", "bfloat16", head_dim, tiles=tiles).prelude()
         defines = (f"Q_BUFFERS {q_buffers}", "STAGES 2", f"V_STAGES {v_stages}", f"STAGE_OUT {int(staged)}")
+        defines += (f"Q_ROWS {q_rows}",)
         for define in defines:
             assert f"#define {define}\n" in prelude
         # A full tile's step in its own copy at head dim 128 and on the 192-row tiles at 64 (two copies ran
