@@ -222,8 +222,8 @@ def test_hopper_spec_needs_sm90a_and_carries_its_wgmma_functions(kernel, head_di
 
 
 def test_hopper_shared_memory_is_the_kernels_struct_and_its_alignment():
-    # Forward, D = 128: one Q buffer (128 x 128), three stages of K and V (128 x 128 each), 14 barriers,
-    # padded to 1 KiB, and 1 KiB to align; D = 64: two Q buffers, two stages, 12 barriers.
+    # Forward, D = 128: two Q buffers, two of K and three of V (128 x 128 each: forward_v_stages), 14
+    # barriers, padded to 1 KiB, and 1 KiB to align; D = 64: two Q buffers, two stages, 12 barriers.
     assert build.shared_bytes("forward_sm90", 128, (128, 128, 12)) == 7 * 32768 + 1024 + 1024
     assert build.shared_bytes("forward_sm90", 64, (128, 128, 12)) == 6 * 16384 + 1024 + 1024
     # Key tiles of 192 at D = 128: one Q buffer, two stages of K and V (192 x 128), 10 barriers.
