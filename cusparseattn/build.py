@@ -85,7 +85,11 @@ PLAIN = ("backward_stats", "backward_dq_convert")
 HOPPER_HEAD_DIMS = (64, 128)
 # Buffers of each Hopper pass's ring (hopper.cuh's STAGES; the forward's of K, forward_v_stages gives V's):
 # the dK/dV pass holds a (Q, dO) slot until the next use's scores are issued, so it takes more to keep its
-# loads ahead.
+# loads ahead. Three for both K and V with the forward's key tiles of 128 at head dim 128 had run, against two
+# and two Q buffers: causal x1.02 / x1.00-1.02, local1024 x1.01-1.04 at S = 16384, strided8 x1.00 to x1.05,
+# local1024 S = 4096 x0.99; a third buffer of V alone now keeps that lead beside the second Q buffer. Three at
+# head dim 64 ran x0.97-0.98 at S = 16384; on the 192-row tiles (146 KiB), x1.00 and x1.01 on dense and
+# causal at S = 16384 (5 rounds), so they keep two.
 HOPPER_STAGES = {"forward_sm90": 2, "backward_dq_sm90": 2, "backward_dkdv_sm90": 3, "backward_sm90": 2}
 ARCH = dict.fromkeys(HOPPER_STAGES, "sm_90a")
 KERNELS = tuple(TILES)
@@ -140,13 +144,13 @@ def forward_q_buffers(head_dim: int, tiles: tuple[int, int, int]) -> int:
 
 
 def forward_v_stages(head_dim: int, tiles: tuple[int, int, int]) -> int:
-    """The Hopper forward's buffers of V (its V_STAGES; K takes hopper_stages'): three with key tiles of 128
+    """The Hopper forward's buffers of V (its V_STAGES; K takes HOPPER_STAGES'): three with key tiles of 128
     at head dim 128, two elsewhere. V_i is held a step longer than K_i (until O += P_i V_i lands, in step
     i + 1), so a third V buffer keeps the in-order copies a tile further ahead, where a third K buffer would
     not; with two K buffers the 227 KiB hold a second Q buffer too. On an H100 (forward, against three of
     each and one Q buffer, 4 rounds): S = 4096 x1.01 on dense, causal, local1024 and strided8; S = 16384
     x1.00 to x1.01, causal x0.98 (it moves by 5 % from run to run in both)."""
-    return 3 if head_dim > 64 and tiles[1] <= 128 else hopper_stages("forward_sm90")
+    return 3 if head_dim > 64 and tiles[1] <= 128 else HOPPER_STAGES["forward_sm90"]
 
 
 def forward_stage_out(head_dim: int, tiles: tuple[int, int, int]) -> bool:
@@ -208,16 +212,6 @@ def descriptor_add64(kernel: str, tiles: tuple[int, int, int]) -> bool:
     return kernel == "backward_sm90" or (kernel == "forward_sm90" and tiles[0] > 128)
 
 
-def hopper_stages(kernel: str) -> int:
-    """A Hopper pass's ring buffers (its STAGES; the forward's of K, forward_v_stages gives V's). Three for
-    both K and V with the forward's key tiles of 128 at head dim 128 had run, against two and two Q buffers:
-    causal x1.02 / x1.00-1.02, local1024 x1.01-1.04 at S = 16384, strided8 x1.00 to x1.05, local1024 S = 4096
-    x0.99; a third buffer of V alone now keeps that lead beside the second Q buffer. Three at head dim 64 ran
-    x0.97-0.98 at S = 16384; on the 192-row tiles (146 KiB), x1.00 and x1.01 on dense and causal at S = 16384
-    (5 rounds), so they keep two."""
-    return HOPPER_STAGES[kernel]
-
-
 def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int:
     """The dynamic shared memory of one pass (each kernel static_asserts the same figure)."""
     tm, tn, _ = tiles
@@ -228,7 +222,7 @@ def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int
         return row * (tm + 2 * 2 * tn)
     if kernel in ARCH:  # the kernel's Shared struct (1024-aligned), and 1024 bytes to align it (not the fused
         # backward's, which fills the 227 KiB at head dim 64 and starts where dynamic shared memory does)
-        stages, barrier = hopper_stages(kernel), 8  # an mbarrier is 8 bytes
+        stages, barrier = HOPPER_STAGES[kernel], 8  # an mbarrier is 8 bytes
         q_buffers, v_stages = forward_q_buffers(head_dim, tiles), forward_v_stages(head_dim, tiles)
         payload = {
             # Q buffers; stages of K and V; full/empty barriers for each buffer of the three rings
@@ -418,7 +412,7 @@ class KernelSpec:
             lines.append(f"#define CSA_SCORE(s, b, h, q, k) ({self.score[0]})")
             lines.append(f"#define CSA_SCORE_GRAD(s, b, h, q, k) ({self.score[1]})")
         if self.arch is not None:
-            lines.append(f"#define STAGES {hopper_stages(self.kernel)}")
+            lines.append(f"#define STAGES {HOPPER_STAGES[self.kernel]}")
             lines.append(f"#define DESC_ADD64 {int(descriptor_add64(self.kernel, self.tiles))}")
             if self.kernel == "backward_sm90":
                 lines.append(f"#define KV_BUFFERS {fused_kv_buffers(self.padded_head_dim, self.tiles)}")

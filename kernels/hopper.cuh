@@ -19,7 +19,7 @@ namespace csa {
 
 // Every Hopper pass: one producer warpgroup and consumer warpgroups of 64 rows (queries, or keys in the dK/dV
 // pass): two, or three in the forward's wide tiles at head dim 64 (the builder's NWARPS); rings of
-// STAGES buffers (the builder's hopper_stages), tiles of whole 64-element panels.
+// STAGES buffers (the builder's HOPPER_STAGES), tiles of whole 64-element panels.
 constexpr int THREADS = NWARPS * 32;
 constexpr int CONSUMERS = NWARPS / 4 - 1;
 static_assert(NWARPS % 4 == 0 && CONSUMERS >= 2, "one producer and two or more consumer warpgroups");
