@@ -6,6 +6,7 @@
     python benchmarks/bench.py --only train-memory   # parts: compile mods cases sweep memory train-memory
     python benchmarks/bench.py --no-backward         # forward only
     python benchmarks/bench.py --peers cusparseattn,flex  # whom the cases time (benchmarks/ab.py uses it)
+    python benchmarks/bench.py --only cases --repeats 5   # each case timed 5 times, the peers in turn
     python benchmarks/bench.py --out DIR             # where bench.json and bench.png go (default: .)
 
 Parts:
@@ -25,11 +26,13 @@ Timing: ``triton.testing.do_bench`` (median); forward with warmup 25 ms and rep 
 forward+backward (the forward, then ``out.backward(grad)`` with a fixed random ``grad``; the inputs' ``.grad``
 reset before each call) with warmup 10 ms and rep 50 ms. FLOPs count attended work only: forward
 ``4 * B * H * S * S * D * density``, density being the fraction of 128 x 128 blocks visited; forward+backward
-3.5 times that. Peers, each when importable: FlexAttention (``torch.compile``, Triton backend), "flexfa4"
-FlexAttention with ``kernel_options={"BACKEND": "FLASH"}`` (its mask compiled into FlashAttention-4: needs
-``flash_attn.cute``), SDPA with the flash backend (dense and causal only), FlashAttention-4
-(``flash_attn.cute``: dense, causal, sliding window);
-on an H100/H200 also "portable", cusparseattn's mma.sync kernels beside its Hopper ones. bf16, B = 2, H = 16.
+3.5 times that. With ``--repeats N`` each case's peers are timed in turn N times and the figures are the
+medians (``bench.json`` keeps each timing), so that a drift of the GPU's clocks weighs on all. Peers, each
+when importable: FlexAttention (``torch.compile``, Triton backend), "flexfa4" FlexAttention with
+``kernel_options={"BACKEND": "FLASH"}`` (its mask compiled into FlashAttention-4: needs ``flash_attn.cute``),
+SDPA with the flash backend (dense and causal only), FlashAttention-4 (``flash_attn.cute``: dense, causal,
+sliding window); on an H100/H200 also "portable", cusparseattn's mma.sync kernels beside its Hopper ones.
+bf16, B = 2, H = 16.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import functools
 import json
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -181,8 +185,9 @@ def _on_hopper(device: int) -> bool:
     return not cuda.hopper_device_reasons(device)
 
 
-def measure_case(case: str, q, k, v, backward: bool, names=PEERS) -> dict:
-    """One row: forward (and forward+backward) TFLOP/s of each of `names` (ours, peers) on this case."""
+def measure_case(case: str, q, k, v, backward: bool, names=PEERS, repeats: int = 1) -> dict:
+    """One row: forward (and forward+backward) TFLOP/s of each of `names` (ours, peers) on this case, the
+    median of `repeats` timings taken in turn."""
     import torch
 
     import cusparseattn as ca
@@ -190,20 +195,26 @@ def measure_case(case: str, q, k, v, backward: bool, names=PEERS) -> dict:
     batch, heads, seq, dim = q.shape
     layout = pattern(case).layout(seq)
     flops = 4 * batch * heads * seq * seq * dim * layout.density
-    row = {"case": case, "S": seq, "D": dim, "density": layout.density, "fwd": {}, "fwdbwd": {}}
+    row = {
+        "case": case,
+        "S": seq,
+        "D": dim,
+        "density": layout.density,
+        "fwd": {},
+        "fwdbwd": {},
+        "repeats": repeats,
+    }
     others, leaves = peers(case, q, k, v, names)
     where = f"{case} S={seq} D={dim}"
     ours = functools.partial(ca.attention_forward, q, k, v, layout)
     portable = {"portable": ours} if "portable" in names and _on_hopper(q.device.index or 0) else {}
     forward = {**({"cusparseattn": ours} if "cusparseattn" in names else {}), **portable, **others}
-    for name, fn in forward.items():
-        try:
-            with torch.no_grad(), _kernels_of(name):
-                fn()
-                torch.cuda.synchronize()
-                row["fwd"][name] = flops / bench(fn) / 1e9
-        except Exception as err:  # noqa: BLE001
-            print(f"  {name} forward failed on {where}: {str(err)[:200]}")
+
+    def forward_ms(name, fn):
+        with torch.no_grad(), _kernels_of(name):
+            return bench(fn)
+
+    row["fwd"], row["fwd_each"] = _in_turn(forward, forward_ms, flops, repeats, f"forward failed on {where}")
     if not backward:
         return row
     training = dict(others)
@@ -215,26 +226,49 @@ def measure_case(case: str, q, k, v, backward: bool, names=PEERS) -> dict:
         ours = functools.partial(ca.attention, q, k, v, layout, backend="cuda")
         training = {**{name: ours for name in ("cusparseattn", "portable") if name in forward}, **others}
     gen = torch.Generator(device=q.device)
-    for name, fn in training.items():
-        try:
+    grads = {}
+
+    def step_ms(name, fn):
+        if name not in grads:
             out = _first(fn())
-            grad = torch.randn(out.shape, device=out.device, dtype=out.dtype, generator=gen.manual_seed(0))
+            grads[name] = torch.randn(
+                out.shape, device=out.device, dtype=out.dtype, generator=gen.manual_seed(0)
+            )
             del out  # and the graph it holds
 
-            def step(fn=fn, grad=grad):
-                _first(fn()).backward(grad)
+        def step():
+            _first(fn()).backward(grads[name])
 
+        try:
             with _kernels_of(name):
-                step()
-                torch.cuda.synchronize()
-                ms = bench(step, fwd_only=False, grad_to_none=leaves)
-            row["fwdbwd"][name] = BACKWARD_FLOPS * flops / ms / 1e9
-        except Exception as err:  # noqa: BLE001
-            print(f"  {name} forward+backward failed on {where}: {str(err)[:200]}")
+                return bench(step, fwd_only=False, grad_to_none=leaves)
         finally:
             for x in leaves:
                 x.grad = None
+
+    failed = f"forward+backward failed on {where}"
+    row["fwdbwd"], row["fwdbwd_each"] = _in_turn(training, step_ms, BACKWARD_FLOPS * flops, repeats, failed)
     return row
+
+
+def _in_turn(fns: dict, time_ms, flops: float, repeats: int, failed: str) -> tuple[dict, dict]:
+    """``({name: TFLOP/s}, {name: [TFLOP/s of each timing]})``: the median of `repeats` timings
+    ``time_ms(name, fn)`` of each of `fns`, taken in turn (every name once, then again), so that a drift of
+    the GPU's clocks weighs on all of them alike. A name whose call raises is reported and left out."""
+    times: dict = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if times[name] is None:
+                continue
+            try:
+                if not times[name]:
+                    time_ms(name, fn)  # untimed: compiles, and makes the first call's allocations
+                times[name].append(time_ms(name, fn))
+            except Exception as err:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
+                print(f"  {name} {failed}: {str(err)[:200]}")
+                times[name] = None
+    each = {name: [flops / t / 1e9 for t in ms] for name, ms in times.items() if ms}
+    return {name: statistics.median(values) for name, values in each.items()}, each
 
 
 def _ratio(row: dict, pass_: str) -> float:
@@ -242,7 +276,7 @@ def _ratio(row: dict, pass_: str) -> float:
     return ours / flex if ours and flex else math.nan
 
 
-def run_cases(seqs, dims, cases, backward: bool, results, names=PEERS):
+def run_cases(seqs, dims, cases, backward: bool, results, names=PEERS, repeats: int = 1):
     import torch
 
     torch._dynamo.config.cache_size_limit = 64
@@ -254,7 +288,7 @@ def run_cases(seqs, dims, cases, backward: bool, results, names=PEERS):
                 for _ in range(3)
             )
             for case in cases:
-                row = measure_case(case, q, k, v, backward, names)
+                row = measure_case(case, q, k, v, backward, names, repeats)
                 results["cases"].append(row)
                 parts = []
                 for pass_, values in ((p, row[p]) for p in PASSES):
@@ -572,6 +606,13 @@ def _ints(text: str) -> list[int]:
     return values
 
 
+def _positive(text: str) -> int:
+    values = _ints(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
+    return values[0]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -593,6 +634,12 @@ def main(argv=None):
         type=lambda s: _names(s, PEERS, "--peers"),
         default=PEERS,
         help=f"whom the cases time, from {','.join(PEERS)} (default all)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=_positive,
+        default=1,
+        help="timings of each case and peer, taken in turn; the figures are their medians (default 1)",
     )
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args(argv)
@@ -616,7 +663,7 @@ def main(argv=None):
     steps = {
         "compile": lambda: compile_time(results, backward),
         "mods": lambda: mods_case(results, backward),
-        "cases": lambda: run_cases(seqs, args.dims, args.cases, backward, results, args.peers),
+        "cases": lambda: run_cases(seqs, args.dims, args.cases, backward, results, args.peers, args.repeats),
         "sweep": lambda: density_sweep(results),
         "memory": lambda: memory(results),
         "train-memory": lambda: train_memory(results),

@@ -68,7 +68,8 @@ def work_order(
 
     Items are dealt in order: the (b, h) lines in groups (the rows that run at the same time then come from
     a few heads and share their K and V in L2), as few as hold them all in as many lines as `group_items`
-    items take at most, their sizes a line apart at most; heaviest row first inside a group; each goes to
+    items take at most (more where a group's share of each CTA would not cover its heaviest row), their
+    sizes a line apart at most; heaviest row first inside a group; each goes to
     the CTA that would be free first, as a CTA taking work from a queue would (costs in key tiles, plus
     ITEM_COST). Dealt longest-first, the CTAs' totals stay close, and a skewed layout (causal, documents)
     leaves no SM idle at the end. Equal rows keep their order."""
@@ -92,7 +93,8 @@ def _per_call(counts: np.ndarray, batch: int, heads: int) -> np.ndarray:
 
 def _deal(counts: np.ndarray, line: int, group_items: int, ctas: int) -> tuple[np.ndarray, np.ndarray]:
     """The deal of items of `counts` tiles each, in lines of `line` items, longest first within groups of
-    whole lines (as few as hold them all at `group_items` items a group): the table, and the time (in tiles)
+    whole lines (as few as hold them all at `group_items` items a group, or more where a group's share of
+    each CTA would not cover its longest item): the table, and the time (in tiles)
     at which each item starts. The groups' sizes differ by a line at most: a short last group starts its
     heavy items late, after the light ones of the group before. H100, B = 2, H = 16, against groups of
     `group_items` and the rest: the forward (S = 4096, 32 lines in four groups of 8 against three of 9 and
@@ -101,8 +103,14 @@ def _deal(counts: np.ndarray, line: int, group_items: int, ctas: int) -> tuple[n
     (forward+backward, S = 4096 and 16384, three runs of 3-4 rounds) strided8 S = 16384 x1.03 / x1.03 /
     x1.04 at head dim 64 and x1.02 / x1.01 / x1.04 at 128, the rest x0.99 to x1.01 but dense D = 64
     S = 16384 once x0.96 and causal D = 128 S = 16384 once x1.03."""
-    most = max(1, -(-group_items // line))
     lines = counts.size // line
+    # A group's share of each CTA's time covers its longest item, which would otherwise start after the
+    # group before it and end alone: OpenAI's strided pattern (strided8) by key tile at S = 16384 (one long
+    # column in eight) was dealt to end 10 % past the mean; with this, 0.4 %. Its fused backward with both
+    # this and _spread_walks: x0.94 (D = 64) and x0.99 (D = 128) the kernel's time (H100, two rounds).
+    cost = counts.sum() + ITEM_COST * counts.size
+    longest = int(counts.max(initial=0)) + ITEM_COST
+    most = max(1, -(-group_items // line), -(-longest * ctas * lines // max(cost, 1)))
     groups = -(-lines // most)
     group = np.arange(counts.size) // line * groups // max(lines, 1)
     order = np.lexsort((-counts, group))
@@ -149,9 +157,10 @@ def column_schedule(
     An item is a (b, key/value head, key tile): the columns of the group's `group` query heads in turn. Items
     are dealt as `work_order` deals rows (`_deal`: groups of even size), into lists fixed before the launch.
     A column's walk begins at its diagonal (its first query tile at or past ``tile_k * tiles_q / tiles_k``),
-    so that the columns of one head, which start together, reach each query tile at different steps. A
-    visit's rank orders the adds into its query tile by the time that the deal predicts for the visit, then
-    by the order of the deal.
+    so that the columns of one head, which start together, reach each query tile at different steps; a
+    column of consecutive query tiles may begin further on, where fewer of its visits would reach a query
+    tile at the step that another column of its head does (`_spread_walks`). A visit's rank orders the adds
+    into its query tile by the time that the deal predicts for the visit, then by the order of the deal.
 
     A visit waits for the adds ranked before it, and its CTA's earlier visits, all of which come earlier in
     that order: the first unfinished visit in it never waits, so the pass cannot deadlock however long each
@@ -181,6 +190,7 @@ def column_schedule(
     column_start = item_start[item] + earlier.reshape(-1)
     deal_rank = np.empty(items.size, np.int64)
     deal_rank[np.argsort(item_start, kind="stable")] = np.arange(items.size)
+    start = _spread_walks(plan, source, start[source], column_start, tiles_k)
 
     rank_ptr = np.zeros(col_counts.size + 1, np.int64)
     np.cumsum(col_counts, out=rank_ptr[1:])
@@ -190,7 +200,7 @@ def column_schedule(
         return np.repeat(values, col_counts)
 
     step = np.arange(rank_ptr[-1]) - per_visit(rank_ptr[:-1])
-    offset, n = per_visit(start[source]) + step, per_visit(col_counts)
+    offset, n = per_visit(start) + step, per_visit(col_counts)
     offset -= n * (offset >= n)  # into the layout column's entries, wrapped once
     entry = per_visit(plan.col_ptr[source].astype(np.int64)) + offset
     query_tile = per_visit((b * heads + h) * tiles_q) + plan.col_entries[entry, 0]
@@ -204,8 +214,62 @@ def column_schedule(
         np.cumsum(per_tile) - per_tile, per_tile
     )
     return ColumnSchedule(
-        table=table, start=start[source].astype(np.int32), rank_ptr=rank_ptr, ranks=ranks.astype(np.int32)
+        table=table, start=start.astype(np.int32), rank_ptr=rank_ptr, ranks=ranks.astype(np.int32)
     )
+
+
+# Entries a column may start its walk past its diagonal (_spread_walks): a bound on the planning time.
+MAX_SPREAD = 64
+
+
+def _spread_walks(plan: TilePlan, source: np.ndarray, start: np.ndarray, when: np.ndarray, tiles_k: int):
+    """Each call column's first entry: its diagonal (`start`), or a later one where, from the diagonal, the
+    deal would have it add into a query tile at the step that another column of its head does (the later add
+    then waits for the earlier one to land, and its CTA falls behind the deal).
+
+    A column of consecutive query tiles f .. f + n - 1 that starts its walk at entry r at step `when` visits
+    tile i at step phase + i, phase = when - f - r, and the tiles before f + r (which it wraps around to) at
+    phase + n + i: two such columns of one head meet on the tiles they share at one phase. Columns are
+    taken in the order they start, each at the first entry from its diagonal on (MAX_SPREAD at most) where
+    none of its visits meets one of the columns before it, else where the fewest do. Causal columns from
+    their diagonals met a quarter to a half of the adds of another CTA into the same tile at S = 16384; the
+    backward kernel's time on the H100 (B = 2, H = 16, torch.profiler, two rounds): causal x0.92 at D = 64
+    and x0.99 at 128 (S = 16384), x0.95 and x0.99 (S = 4096); local1024 x0.97 to x1.00. Columns of other
+    shapes keep the diagonal."""
+    ptr = plan.col_ptr.astype(np.int64)
+    counts = ptr[source + 1] - ptr[source]
+    runs = counts > 0
+    tiles = plan.col_entries[:, 0].astype(np.int64)
+    first, last = tiles[ptr[source][runs]], tiles[ptr[source + 1][runs] - 1]
+    runs[runs] = last - first + 1 == counts[runs]
+    order = np.argsort(when, kind="stable")
+    order = order[runs[order]]
+    firsts = tiles[ptr[source[order]]].tolist()
+    phase0 = (when[order] - tiles[ptr[source[order]]]).tolist()
+    spread = start[order].tolist()
+    held: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (head, phase): the tiles its columns take
+
+    def met(head, phase, lo, hi):
+        taken = held.get((head, phase))
+        return 0 if taken is None else sum(max(0, min(hi, b) - max(lo, a)) for a, b in taken)
+
+    for i, (n, h) in enumerate(zip(counts[order].tolist(), (order // tiles_k).tolist(), strict=True)):
+        f, p0, r = firsts[i], phase0[i], spread[i]
+        least, best = n + 1, r
+        for _ in range(min(n, MAX_SPREAD)):
+            meets = met(h, p0 - r, f + r, f + n) + (met(h, p0 - r + n, f, f + r) if r else 0)
+            if meets < least:
+                least, best = meets, r
+                if not meets:
+                    break
+            r = r + 1 if r + 1 < n else 0
+        held.setdefault((h, p0 - best), []).append((f + best, f + n))
+        if best:
+            held.setdefault((h, p0 - best + n), []).append((f, f + best))
+        spread[i] = best
+    start = start.astype(np.int64)
+    start[order] = spread
+    return start
 
 
 def _by_tile(tile: np.ndarray, key: np.ndarray, tiles: int) -> np.ndarray:

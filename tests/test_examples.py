@@ -104,6 +104,27 @@ def test_bench_options_and_table(capsys):
     assert line[:3] == ["causal", "4096", "128"] and line[4 + len(bench.PEERS)] == "0.86" and line[-1] == "-"
 
 
+def test_bench_times_peers_in_turn(capsys):
+    bench = _load(ROOT / "benchmarks" / "bench.py")
+    calls = []
+    ms = {"ours": iter([9.0, 2.0, 4.0, 1.0]), "peer": iter([9.0, 1.0, 3.0, 2.0]), "broken": None}
+
+    def time_ms(name, fn):
+        calls.append(name)
+        if ms[name] is None:
+            raise RuntimeError("no kernel")
+        return next(ms[name])
+
+    medians, each = bench._in_turn(dict.fromkeys(ms), time_ms, 1e9, 3, "failed on case")
+    # A first untimed call each (compiling), then the peers in turn; the broken one is tried once.
+    assert calls == ["ours", "ours", "peer", "peer", "broken", "ours", "peer", "ours", "peer"]
+    assert each == {"ours": [0.5, 0.25, 1.0], "peer": [1.0, 1 / 3, 0.5]}
+    assert medians == {"ours": 0.5, "peer": 0.5}
+    assert "broken failed on case: no kernel" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--repeats", "0"])
+
+
 def test_bench_peers_option():
     bench = _load(ROOT / "benchmarks" / "bench.py")
     with pytest.raises(SystemExit):

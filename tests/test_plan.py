@@ -146,9 +146,10 @@ def test_work_order_deals_every_row_once_heaviest_first_in_groups(
     """The persistent kernels' schedule: each (b, h, tile) of the call once (empty rows too), CTA c's items at
     c, c + ctas, ... up to a -1. Read in the order they were dealt (by the time each CTA, taking its
     items in turn, would start them), the items come in groups of whole (b, h) lines, as few as hold them
-    all in as many lines as `group_items` items take at most, their sizes a line apart at most, and inside a
-    group rows with more key tiles first. Each went to a CTA that would be free first. A layout of one
-    batch element or head serves them all."""
+    all in as many lines as `group_items` items take at most (more where a group's share of each CTA would
+    not cover its longest row), their sizes a line apart at most, and inside a group rows with more key
+    tiles first. Each went to a CTA that would be free first. A layout of one batch element or head serves
+    them all."""
     batch, heads = 2, 3
     lb, lh = layout_lines
     blocks = np.random.default_rng(seed).random((lb, lh, tiles_q, 5)) < 0.4
@@ -175,7 +176,10 @@ def test_work_order_deals_every_row_once_heaviest_first_in_groups(
     # makespan: when the last CTA of the deal finishes, from the rows' lengths alone.
     assert plan.makespan(blocks.sum(axis=3), batch, heads, ctas, group_items) == finish.max()
     dealt = sorted(start, key=start.get)  # ties as the deal broke them: the lower CTA first
-    lines, most = batch * heads, -(-group_items // tiles_q)
+    # Lines a group: as many as `group_items` items take, or more, so that a group's share of each CTA's
+    # time covers its longest row.
+    lines = batch * heads
+    most = max(-(-group_items // tiles_q), -(-int(cost.max()) * ctas * lines // int(cost.sum())))
     group_of = np.arange(lines) * -(-lines // most) // lines  # the lines in turn, spread evenly
     sizes = np.bincount(group_of)
     assert len(sizes) == -(-lines // most) and sizes.max() - sizes.min() <= 1 and sizes.max() <= most
@@ -253,6 +257,47 @@ def test_column_schedule_orders_every_query_tiles_adds_without_deadlock(
             if blocked[nxt] == 0:
                 ready.append(nxt)
     assert len(done) == len(node)
+
+
+def test_deal_groups_cover_their_longest_item():
+    """Lines of many short items and one long one (OpenAI's strided pattern, by key tile): in groups as few
+    as `group_items` asks for, the last group's long items would start after the group before and end
+    alone; groups large enough that their share of each CTA covers the longest end within one item."""
+    line, lines, ctas = 64, 32, 16
+    counts = np.tile(np.where(np.arange(line) % 8 == 7, 120, 8), lines)
+    _, start = plan._deal(counts, line, 2 * ctas, ctas)
+    finish = start + counts + plan.ITEM_COST
+    assert finish.max() - (counts + plan.ITEM_COST).sum() / ctas < 8 + plan.ITEM_COST
+
+
+def test_column_schedule_spreads_a_heads_adds_over_steps():
+    """A column of consecutive query tiles (causal here) begins its walk at the entry, from its diagonal on,
+    where the fewest of its visits meet a visit of a column of its head that started before it (one into the
+    same query tile at the same step, steps as the deal predicts them). From their diagonals many would
+    meet; spread, only the shortest columns, which have few entries to start from."""
+    tiles, ctas, heads = 32, 6, 2
+    blocks = np.tril(np.ones((tiles, tiles), bool))[None, None]
+    p = plan.build(BlockLayout(blocks, block_size=64, seq_q=64 * tiles), 64, 64)
+    sched = plan.column_schedule(p, 1, 1, 1, heads, 1, ctas)
+    counts = np.tile(np.diff(p.col_ptr), heads)
+    _, item_start = plan._deal(counts, tiles, 1, ctas)
+
+    def meetings(start):
+        seen, met = set(), []
+        for column in range(counts.size):
+            h, k = divmod(column, tiles)
+            entries = p.col_entries[p.col_ptr[k] : p.col_ptr[k + 1], 0]
+            for step in range(entries.size):
+                visit = (h, entries[(start[column] + step) % entries.size], item_start[column] + step)
+                if visit in seen:
+                    met.append(counts[column])
+                seen.add(visit)
+        return met
+
+    diagonal = meetings(np.zeros(counts.size, int))  # each causal column's diagonal is its first entry
+    spread = meetings(sched.start)
+    assert len(spread) * 20 < len(diagonal) and max(spread, default=0) <= 4
+    assert (sched.start < np.maximum(counts, 1)).all()
 
 
 @settings(max_examples=30, deadline=None)
