@@ -190,7 +190,7 @@ def column_schedule(
     column_start = item_start[item] + earlier.reshape(-1)
     deal_rank = np.empty(items.size, np.int64)
     deal_rank[np.argsort(item_start, kind="stable")] = np.arange(items.size)
-    start = _spread_walks(plan, source, start[source], column_start, tiles_k)
+    start = _spread_walks(plan, source, col_counts, start[source], column_start, tiles_k)
 
     rank_ptr = np.zeros(col_counts.size + 1, np.int64)
     np.cumsum(col_counts, out=rank_ptr[1:])
@@ -222,30 +222,33 @@ def column_schedule(
 MAX_SPREAD = 64
 
 
-def _spread_walks(plan: TilePlan, source: np.ndarray, start: np.ndarray, when: np.ndarray, tiles_k: int):
-    """Each call column's first entry: its diagonal (`start`), or a later one where, from the diagonal, the
-    deal would have it add into a query tile at the step that another column of its head does (the later add
-    then waits for the earlier one to land, and its CTA falls behind the deal).
+def _spread_walks(
+    plan: TilePlan, source: np.ndarray, counts: np.ndarray, start: np.ndarray, when: np.ndarray, tiles_k: int
+):
+    """Each call column's first entry (of its `counts`, from layout column `source`): its diagonal (`start`),
+    or a later one where, from the diagonal, the deal would have it add into a query tile at the step that
+    another column of its head does (the later add then waits for the earlier one to land, and its CTA falls
+    behind the deal).
 
     A column of consecutive query tiles f .. f + n - 1 that starts its walk at entry r at step `when` visits
     tile i at step phase + i, phase = when - f - r, and the tiles before f + r (which it wraps around to) at
     phase + n + i: two such columns of one head meet on the tiles they share at one phase. Columns are
     taken in the order they start, each at the first entry from its diagonal on (MAX_SPREAD at most) where
     none of its visits meets one of the columns before it, else where the fewest do. Causal columns from
-    their diagonals met a quarter to a half of the adds of another CTA into the same tile at S = 16384; the
+    their diagonals met a third to a half of the adds of another CTA into the same tile at S = 16384; the
     backward kernel's time on the H100 (B = 2, H = 16, torch.profiler, two rounds): causal x0.92 at D = 64
     and x0.99 at 128 (S = 16384), x0.95 and x0.99 (S = 4096); local1024 x0.97 to x1.00. Columns of other
     shapes keep the diagonal."""
     ptr = plan.col_ptr.astype(np.int64)
-    counts = ptr[source + 1] - ptr[source]
-    runs = counts > 0
     tiles = plan.col_entries[:, 0].astype(np.int64)
-    first, last = tiles[ptr[source][runs]], tiles[ptr[source + 1][runs] - 1]
-    runs[runs] = last - first + 1 == counts[runs]
+    runs = counts > 0
+    first = np.zeros(counts.size, np.int64)  # a column's first query tile
+    first[runs] = tiles[ptr[source[runs]]]
+    runs[runs] = tiles[ptr[source[runs] + 1] - 1] - first[runs] + 1 == counts[runs]
     order = np.argsort(when, kind="stable")
     order = order[runs[order]]
-    firsts = tiles[ptr[source[order]]].tolist()
-    phase0 = (when[order] - tiles[ptr[source[order]]]).tolist()
+    firsts = first[order].tolist()
+    phase0 = (when[order] - first[order]).tolist()
     spread = start[order].tolist()
     held: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (head, phase): the tiles its columns take
 
