@@ -34,10 +34,11 @@ DTYPES = {"float16": 0, "bfloat16": 1}
 RULE_MODES = {"none": 0, "expr": 1, "bits": 2}
 
 
-def edge_tiles(fused: tuple[int, int, int]) -> tuple[int, int, int]:
-    """The tiles of the fused backward's first and last passes (PLAIN), which address its dQ sums and counters
-    by its query tiles: those of the fused pass's tiles `fused`, a warp for each 16."""
-    return fused[0], 64, fused[0] // 16
+def edge_tiles(tiles: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The tiles of a PLAIN pass beside a Hopper pass of `tiles` whose scratch it reads by that pass's query
+    tiles (the fused backward's first and last passes, the forward's combine pass): its query tiles, a warp
+    for each 16."""
+    return tiles[0], 64, tiles[0] // 16
 
 
 # The fused backward (dK, dV and dQ in one pass, dQ summed in a fixed order): two consumers of 64 keys, 128
@@ -78,9 +79,12 @@ TILES = {
         kernel: {d: [edge_tiles(t) for t in ts] for d, ts in FUSED_BACKWARD_TILES.items()}
         for kernel in ("backward_stats", "backward_dq_convert")
     },
+    # The Hopper forward's split rows (plan.work_order), by its query tiles: edge_tiles of its own and of its
+    # WIDE_TILES.
+    "forward_combine": {64: [(128, 64, 8), (192, 64, 12)], 128: [(128, 64, 8)]},
 }
 # Passes that read no layout and no score mod: one kernel serves every layout (cuda.py builds them plain).
-PLAIN = ("backward_stats", "backward_dq_convert")
+PLAIN = ("backward_stats", "backward_dq_convert", "forward_combine")
 # Hopper kernels (sm_90a: TMA, wgmma, a producer warpgroup) take head dims of whole 64-element panels.
 HOPPER_HEAD_DIMS = (64, 128)
 # Buffers of each Hopper pass's ring (hopper.cuh's STAGES; the forward's of K, forward_v_stages gives V's):
@@ -309,6 +313,7 @@ PARAMS = np.dtype(
         ("score_ip", np.int64, (8,)), ("score_fp", np.float32, (8,)), ("score_a", np.uint64, (4,)),
         ("work", np.uint64), ("work_count", np.int32), ("rule_narrow", np.int32),
         ("col_start", np.uint64), ("rank_ptr", np.uint64), ("ranks", np.uint64), ("dq_unordered", np.int32),
+        ("parts", np.uint64), ("split_ptr", np.uint64),
     ],
     align=True,
 )  # fmt: skip
@@ -325,6 +330,7 @@ class KernelSpec:
     rule_mode: str = "none"
     rule_expr: str | None = None
     score: tuple[str, str] | None = None  # a score mod's C expression and its derivative
+    split_rows: bool = False  # the Hopper forward: its deal splits rows (plan.work_order), its SPLIT_ROWS
 
     @classmethod
     def make(
@@ -337,11 +343,12 @@ class KernelSpec:
         tiles: tuple[int, int, int] | None = None,
         max_shared: int = 227 * 1024,
         score: tuple[str, str] | None = None,
+        split_rows: bool = False,
     ) -> KernelSpec:
         """The spec for these inputs, with the table's tiles for a device with `max_shared` bytes of shared
         memory per block (or `tiles`, for tuning)."""
         tiles = tiles or tile_config(kernel, head_dim, max_shared, score is not None, rule_mode == "bits")
-        return cls(kernel, dtype, head_dim, tiles, rule_mode, rule_expr, score)
+        return cls(kernel, dtype, head_dim, tiles, rule_mode, rule_expr, score, split_rows)
 
     def __post_init__(self):
         if self.kernel not in TILES:
@@ -358,6 +365,8 @@ class KernelSpec:
             raise ValueError(f"score must be None or (C expression, its derivative), got {self.score!r}")
         if self.kernel in PLAIN and (self.rule_mode != "none" or self.score is not None):
             raise ValueError(f"{self.kernel} reads no layout rule or score mod")
+        if self.split_rows and self.kernel != "forward_sm90":
+            raise ValueError(f"only forward_sm90 splits rows, not {self.kernel}")
         if self.kernel in ARCH and self.head_dim not in HOPPER_HEAD_DIMS:
             raise ValueError(f"{self.kernel} takes head dims {HOPPER_HEAD_DIMS}, got {self.head_dim}")
 
@@ -374,7 +383,8 @@ class KernelSpec:
             rule += hashlib.sha1(self.rule_expr.encode()).hexdigest()[:8]
         if self.score is not None:
             rule += "_score" + hashlib.sha1("\n".join(self.score).encode()).hexdigest()[:8]
-        return f"{self.kernel}_{dt}_d{self.head_dim}_q{tm}k{tn}w{nw}_{rule}"
+        split = "_split" if self.split_rows else ""
+        return f"{self.kernel}_{dt}_d{self.head_dim}_q{tm}k{tn}w{nw}_{rule}{split}"
 
     @property
     def shared_bytes(self) -> int:
@@ -425,6 +435,7 @@ class KernelSpec:
                 lines.append(f"#define SPLIT_STEPS {int(split_steps)}")
                 scaled_max = forward_scaled_max(self.padded_head_dim, self.tiles)
                 lines.append(f"#define SCALED_MAX {int(scaled_max)}")
+                lines.append(f"#define SPLIT_ROWS {int(self.split_rows)}")
             types = {"float16": "f16.f16", "bfloat16": "bf16.bf16"}[self.dtype]
             lines += _wgmma_functions(sorted({tm, tn, self.padded_head_dim}), types)
         return "\n".join(lines) + "\n"
@@ -586,6 +597,10 @@ def all_specs() -> list[KernelSpec | RuleSpec]:
                 KernelSpec.make(kernel, "float16", d, tiles=t),
                 KernelSpec.make(kernel, "bfloat16", d, *rules[2], tiles=t),
             ]
+        if kernel == "forward_sm90":  # with split rows: its tiles, and the wide ones
+            for d in HOPPER_HEAD_DIMS:
+                for t in (tile_config(kernel, d), WIDE_TILES[kernel][d]):
+                    specs.append(KernelSpec.make(kernel, "bfloat16", d, *rules[2], tiles=t, split_rows=True))
     return [*specs, RuleSpec("csa::floormod(k, P0) == 0 && A0[q] == A0[k]")]
 
 

@@ -15,7 +15,7 @@ import weakref
 import numpy as np
 
 from . import build, env, plan, tma
-from .arrays import contiguous_strides
+from .arrays import CupyTensor, contiguous_strides
 from .layout import BlockLayout
 
 MIN_COMPUTE_CAPABILITY = 80  # mma.sync with bf16, cp.async, ldmatrix
@@ -169,15 +169,17 @@ class DeviceTables:
         self._work: dict[tuple, dict] = {}
         self.passes: dict[tuple, _Pass] = {}  # `_pass`: the passes over these tables, by call sizes
 
-    def work(self, batch: int, heads: int, ctas: int, group_items: int) -> dict:
+    def work(self, batch: int, heads: int, ctas: int, group_items: int, max_parts: int = 0) -> dict:
         """A persistent pass's schedule for `batch` x `heads` on `ctas` CTAs (plan.work_order), on the
-        device: ``{"work": items}``, as `_Pass` takes it."""
+        device, by the Params field of each of its arrays: ``work`` (the items), ``parts`` and ``split_ptr``
+        (its split rows' parts, none without `max_parts`), as `_Pass` takes them."""
         import cupy
 
-        key = ("rows", batch, heads, ctas, group_items)
+        key = ("rows", batch, heads, ctas, group_items, max_parts)
         if key not in self._work:
-            order = plan.work_order(self.plan, *self.layout_lines, batch, heads, ctas, group_items)
-            self._work[key] = {"work": cupy.asarray(order)}
+            s = plan.work_order(self.plan, *self.layout_lines, batch, heads, ctas, group_items, max_parts)
+            arrays = {"work": s.table, "parts": s.parts, "split_ptr": s.split_ptr}
+            self._work[key] = {field: cupy.asarray(a) for field, a in arrays.items()}
         return self._work[key]
 
     def columns(self, batch: int, heads: int, group: int, ctas: int, group_items: int) -> dict:
@@ -331,8 +333,10 @@ class _Pass:
     ):
         self.kernel, self.grid, self.tiles = kernel, grid, tiles
         rule = ("none", None) if kernel in build.PLAIN else (tables.plan.rule_mode, tables.rule_expr)
-        spec_args = (kernel, q.dtype, q.shape[3], tiles, *rule)
-        self.function, self.block, self.shared = _kernel(q.device[1], *spec_args, score and score.spec)
+        spec_args = (kernel, q.dtype, q.shape[3], tiles, *rule, score and score.spec)
+        # The Hopper forward's build for split rows where its deal has some (the others keep their code).
+        split_rows = kernel == "forward_sm90" and work["split_ptr"].size > 1
+        self.function, self.block, self.shared = _kernel(q.device[1], *spec_args, split_rows)
         # The device arrays that the parameters point to live as long as this pass.
         self.arrays = (tables, score, work)
         buffer = bytearray(tables.params)
@@ -453,7 +457,7 @@ def _wide_pays(
     def span(tiles, partial_cost=0) -> float:
         counts = plan.visits(layout, *tiles[:2], partial_cost)
         ctas = min(batch * heads * counts.shape[2], sms)
-        return plan.makespan(counts, batch, heads, ctas, _FORWARD_GROUP * sms)
+        return plan.makespan(counts, batch, heads, ctas, _FORWARD_GROUP * sms, ctas)
 
     return build.WIDE_TILE_COST[padded] * span(wide, build.WIDE_PARTIAL_COST[padded]) < span(narrow)
 
@@ -532,18 +536,34 @@ class Forward:
             score = score_tables(score_mod, device)
             wide = _wide_pays(kernel, layout, q.shape[3], batch, heads_q, device, score)
             tables, tiles = _tiled_tables(kernel, layout, q.shape[3], device, score, tiles, wide)
-            rows, work = {}, None
+            rows, work, splits = {}, None, 0
             if kernel == "forward_sm90":  # persistent: one CTA per SM walks its part of the schedule
                 ctas = min(batch * heads_q * tables.plan.tiles_q, sm_count(device))
-                work = tables.work(batch, heads_q, ctas, _FORWARD_GROUP * sm_count(device))
+                work = tables.work(batch, heads_q, ctas, _FORWARD_GROUP * sm_count(device), ctas)
                 grid = (ctas, 1, 1)
                 # out is stored in a consumer's 64 rows (forward_sm90.cu)
                 rows = {"q": build.forward_q_rows(q.shape[3], tiles), "k": tiles[1], "v": tiles[1], "out": 64}
+                splits = work["split_ptr"].size - 1
             else:
                 grid = (tables.plan.tiles_q, heads_q, batch)
             made = {"out": _Like(q.shape, q.dtype), "lse": _Like(q.shape[:3], "float32")}
-            arrays = _bound_arrays(ARRAYS[:5], dict(q=q, k=k, v=v, out=out, lse=lse), made)
-            self.launch = _pass(kernel, grid, tables, score, scale, tiles, work, q=q, k=k).bind(arrays, rows)
+            names = ARRAYS[:5]
+            # Split rows' parts go to a scratch (`stats`, Params' last array), a slot of TILE_M lse and then
+            # [TILE_M, D] outputs (fp32) each; a combine pass then writes those rows.
+            self.scratch = (work["parts"].shape[0], tiles[0], q.shape[3] + 1) if splits else None
+            if splits:
+                names = ARRAYS
+                made |= {"dout": made["out"], "dq": made["out"], "dk": _Like(k.shape, k.dtype)}
+                made |= {"dv": made["dk"], "stats": _Like(self.scratch, "float32")}
+            arrays = _bound_arrays(names, dict(q=q, k=k, v=v, out=out, lse=lse), made)
+            self.launches = [
+                _pass(kernel, grid, tables, score, scale, tiles, work, q=q, k=k).bind(arrays, rows)
+            ]
+            if splits:  # a warp for each query row of each split row (forward_combine.cu)
+                edges = build.edge_tiles(tiles)
+                grid = (splits, edges[0] // edges[2], 1)
+                combine = _pass("forward_combine", grid, tables, None, scale, edges, work, q=q, k=k)
+                self.launches.append(combine.bind(arrays, {}))
 
     def run(self, q, k, v, out, lse) -> None:
         """Writes `out` and `lse` on q's stream."""
@@ -551,7 +571,25 @@ class Forward:
 
         with cupy.cuda.Device(self.device):
             _bind(self.device)
-            self.launch.launch(q.stream, (q.data_ptr, k.data_ptr, v.data_ptr, out.data_ptr, lse.data_ptr))
+            addresses = (q.data_ptr, k.data_ptr, v.data_ptr, out.data_ptr, lse.data_ptr)
+            scratch = None if self.scratch is None else _scratch(q, self.scratch)
+            if scratch is not None:  # the backward's arrays, which the forward does not read, at 0
+                addresses += (0, 0, 0, 0, scratch.data_ptr)
+            for launch in self.launches:
+                launch.launch(q.stream, addresses)
+
+
+def _scratch(like, shape: tuple):
+    """A float32 scratch on `like`'s device, to be used on its stream: its framework's (PyTorch's caching
+    allocator), or from CuPy's pool where it cannot make one (XLA's buffers), in which a freed block is
+    taken again only on the stream it was made on, so only after the work queued there before."""
+    try:
+        return like.empty(shape, "float32")
+    except NotImplementedError:
+        import cupy
+
+        with _stream(like.stream):
+            return CupyTensor(cupy.empty(shape, cupy.float32), "scratch")
 
 
 # The backward's statistics scratch pads the query rows to whole tiles of every pass (the Hopper dK/dV pass

@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -53,6 +54,26 @@ class TilePlan:
 ITEM_COST = 3
 
 
+# The forward's deal may split its last rows (`work_order`): a part of a row costs its key tiles, ITEM_COST
+# and PART_COST (its fp32 output and lse go to a scratch, which a combine pass folds into the row's), holds
+# MIN_PART key tiles at least, and a split must end the deal SPLIT_GAIN key tiles sooner (the combine pass
+# is a launch more). Rows are split into as many parts as one of SPLIT_COUNTS says: 64 at most, two weights
+# a lane in the combine pass (forward_combine.cu).
+PART_COST = 1
+MIN_PART = 4
+SPLIT_GAIN = 2 * ITEM_COST
+SPLIT_COUNTS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+@dataclass(frozen=True)
+class RowSchedule:
+    """`work_order`'s result: the items dealt to each CTA, and the parts of the rows that it splits."""
+
+    table: np.ndarray  # int32 [rounds * ctas]: CTA c's r-th item at r * ctas + c, -1 past its last
+    parts: np.ndarray  # int32 [parts, 5]: b, h, first query, first and end entry of each part
+    split_ptr: np.ndarray  # int32 [split rows + 1]: split row s's parts are split_ptr[s] to split_ptr[s + 1]
+
+
 def work_order(
     plan: TilePlan,
     layout_batch: int,
@@ -61,10 +82,11 @@ def work_order(
     heads: int,
     ctas: int,
     group_items: int = 1,
-) -> np.ndarray:
+    max_parts: int = 0,
+) -> RowSchedule:
     """A persistent row-walking pass's schedule: every (batch element, query head, query tile) of a call (an
-    empty row too: its output is written), as ``(b * heads + h) * tiles_q + tile`` (int32), dealt to
-    `ctas` CTAs. Entry ``r * ctas + c`` is CTA c's r-th item, -1 past its last.
+    empty row too: its output is written), dealt to `ctas` CTAs. An item is a row, ``(b * heads + h) *
+    tiles_q + tile`` (int32), or ``-2 - p`` for part p of a split row.
 
     Items are dealt in order: the (b, h) lines in groups (the rows that run at the same time then come from
     a few heads and share their K and V in L2), as few as hold them all in as many lines as `group_items`
@@ -72,18 +94,33 @@ def work_order(
     sizes a line apart at most; heaviest row first inside a group; each goes to
     the CTA that would be free first, as a CTA taking work from a queue would (costs in key tiles, plus
     ITEM_COST). Dealt longest-first, the CTAs' totals stay close, and a skewed layout (causal, documents)
-    leaves no SM idle at the end. Equal rows keep their order."""
+    leaves no SM idle at the end. Equal rows keep their order.
+
+    Rows of equal length leave a last round that few CTAs run while the rest wait (dense, S = 16384 at head
+    dim 128: 4096 rows on 132 SMs, 31.03 rounds in 32's time). With `max_parts`, the rows that start once
+    the first CTA would be idle may be split into parts of consecutive entries, at most `max_parts` of
+    them, dealt in the same way (`_deal`); the pass writes a part's output to a scratch, and a combine pass
+    folds the parts of each row."""
     counts = np.diff(plan.row_ptr).reshape(layout_batch, layout_heads, plan.tiles_q)
-    return _deal(_per_call(counts, batch, heads), plan.tiles_q, group_items, ctas)[0]
+    dealt = _deal(_per_call(counts, batch, heads), plan.tiles_q, group_items, ctas, max_parts)
+    parts = np.zeros((len(dealt.parts), 5), np.int32)
+    split_ptr = [0]
+    for p, (item, first, end) in enumerate(dealt.parts):
+        line, tile = divmod(item, plan.tiles_q)
+        b, h = divmod(line, heads)
+        row = plan.row_ptr[((b % layout_batch) * layout_heads + h % layout_heads) * plan.tiles_q + tile]
+        parts[p] = b, h, tile * plan.tile_m, row + first, row + end
+        if p + 1 == len(dealt.parts) or dealt.parts[p + 1][0] != item:
+            split_ptr.append(p + 1)
+    return RowSchedule(dealt.table, parts, np.asarray(split_ptr, np.int32))
 
 
-def makespan(counts: np.ndarray, batch: int, heads: int, ctas: int, group_items: int = 1) -> float:
+def makespan(
+    counts: np.ndarray, batch: int, heads: int, ctas: int, group_items: int = 1, max_parts: int = 0
+) -> float:
     """When the last CTA of `work_order`'s deal would finish, in key tiles (an item's count plus ITEM_COST),
     for `counts` [layout batch, layout heads, tiles_q], the key tiles each row visits (`visits`)."""
-    line = counts.shape[2]
-    counts = _per_call(counts, batch, heads)
-    start = _deal(counts, line, group_items, ctas)[1]
-    return float((start + counts + ITEM_COST).max())
+    return _deal(_per_call(counts, batch, heads), counts.shape[2], group_items, ctas, max_parts).end
 
 
 def _per_call(counts: np.ndarray, batch: int, heads: int) -> np.ndarray:
@@ -91,18 +128,27 @@ def _per_call(counts: np.ndarray, batch: int, heads: int) -> np.ndarray:
     return np.broadcast_to(counts, (batch, heads, counts.shape[2])).reshape(-1)
 
 
-def _deal(counts: np.ndarray, line: int, group_items: int, ctas: int) -> tuple[np.ndarray, np.ndarray]:
+class _Dealt(NamedTuple):
+    """`_deal`'s result."""
+
+    table: np.ndarray  # int32 [rounds * ctas]: items, or -2 - p for part p; -1 past a CTA's last
+    start: np.ndarray  # when each item starts (a split one: its first part), in key tiles
+    end: float  # when the last CTA finishes
+    parts: list  # (item, first, end) of each part: its entries among the item's, an item's parts in a row
+
+
+def _deal(counts: np.ndarray, line: int, group_items: int, ctas: int, max_parts: int = 0) -> _Dealt:
     """The deal of items of `counts` tiles each, in lines of `line` items, longest first within groups of
     whole lines (as few as hold them all at `group_items` items a group, or more where a group's share of
-    each CTA would not cover its longest item): the table, and the time (in tiles)
-    at which each item starts. The groups' sizes differ by a line at most: a short last group starts its
-    heavy items late, after the light ones of the group before. H100, B = 2, H = 16, against groups of
-    `group_items` and the rest: the forward (S = 4096, 32 lines in four groups of 8 against three of 9 and
-    one of 5, two runs of 3 rounds) causal x1.05 / x1.05 at head dim 64 and x1.03 / x1.06 at 128, strided8
-    x1.03 to x1.05, local1024 x1.02, dense and S = 16384 within noise; the fused backward's columns
-    (forward+backward, S = 4096 and 16384, three runs of 3-4 rounds) strided8 S = 16384 x1.03 / x1.03 /
-    x1.04 at head dim 64 and x1.02 / x1.01 / x1.04 at 128, the rest x0.99 to x1.01 but dense D = 64
-    S = 16384 once x0.96 and causal D = 128 S = 16384 once x1.03."""
+    each CTA would not cover its longest item), each to the CTA that would be free first; with
+    `max_parts`, its last items split (`_split_tail`). The groups' sizes differ by a line at most: a short
+    last group starts its heavy items late, after the light ones of the group before. H100, B = 2, H = 16,
+    against groups of `group_items` and the rest: the forward (S = 4096, 32 lines in four groups of 8
+    against three of 9 and one of 5, two runs of 3 rounds) causal x1.05 / x1.05 at head dim 64 and
+    x1.03 / x1.06 at 128, strided8 x1.03 to x1.05, local1024 x1.02, dense and S = 16384 within noise; the
+    fused backward's columns (forward+backward, S = 4096 and 16384, three runs of 3-4 rounds) strided8
+    S = 16384 x1.03 / x1.03 / x1.04 at head dim 64 and x1.02 / x1.01 / x1.04 at 128, the rest x0.99 to
+    x1.01 but dense D = 64 S = 16384 once x0.96 and causal D = 128 S = 16384 once x1.03."""
     lines = counts.size // line
     # A group's share of each CTA's time covers its longest item, which would otherwise start after the
     # group before it and end alone: OpenAI's strided pattern (strided8) by key tile at S = 16384 (one long
@@ -115,18 +161,80 @@ def _deal(counts: np.ndarray, line: int, group_items: int, ctas: int) -> tuple[n
     group = np.arange(counts.size) // line * groups // max(lines, 1)
     order = np.lexsort((-counts, group))
     queue = [(0, c) for c in range(min(ctas, len(order)))]
+    jobs = [
+        (item, cost, -1)
+        for item, cost in zip(order.tolist(), (counts[order] + ITEM_COST).tolist(), strict=True)
+    ]
+    placed = _place(jobs, queue)
+    parts = []
+    if max_parts and queue:
+        # Start times only grow along the deal: the items that start once a CTA would be idle are its last.
+        first_idle = min(queue)[0]
+        tail = next((i for i, (when, _) in enumerate(placed) if when >= first_idle), len(placed))
+        before = _after(jobs[:tail], len(queue))
+        split = _split_tail(counts, jobs[tail:], before, max_parts)
+        if split and max(queue)[0] - split[0] > SPLIT_GAIN:
+            queue, jobs, parts = before, jobs[:tail] + split[1], split[2]
+            placed = placed[:tail] + _place(jobs[tail:], queue)
     dealt: list[list[int]] = [[] for _ in queue]
     start = np.zeros(counts.size, counts.dtype)
-    for item, cost in zip(order.tolist(), (counts[order] + ITEM_COST).tolist(), strict=True):
-        free_at, cta = heapq.heappop(queue)
-        dealt[cta].append(item)
-        start[item] = free_at
-        heapq.heappush(queue, (free_at + cost, cta))
+    for (item, _, part), (when, cta) in zip(jobs, placed, strict=True):
+        dealt[cta].append(item if part < 0 else -2 - part)
+        if part < 0 or parts[part][1] == 0:
+            start[item] = when
     rounds = max((len(d) for d in dealt), default=0)
     table = np.full((rounds, len(dealt)), -1, np.int32)
     for cta, items in enumerate(dealt):
         table[: len(items), cta] = items
-    return table.reshape(-1), start
+    return _Dealt(table.reshape(-1), start, float(max((t for t, _ in queue), default=0)), parts)
+
+
+def _place(jobs: list, queue: list) -> list:
+    """(start, CTA) of each of `jobs` ((item, cost, part)), each to the CTA of `queue` ((free at, CTA), a
+    heap, updated) that would be free first."""
+    placed = []
+    for _, cost, _ in jobs:
+        free_at, cta = heapq.heappop(queue)
+        placed.append((free_at, cta))
+        heapq.heappush(queue, (free_at + cost, cta))
+    return placed
+
+
+def _after(jobs: list, ctas: int) -> list:
+    """The queue of `ctas` CTAs once `jobs` are placed."""
+    queue = [(0, c) for c in range(ctas)]
+    _place(jobs, queue)
+    return queue
+
+
+def _split_tail(counts: np.ndarray, tail: list, queue: list, max_parts: int):
+    """The `tail` jobs ((item, cost, -1): those that start once the first CTA would be idle) split so that
+    they end soonest, dealt to `queue` in order of cost: each item of 2 * MIN_PART key tiles or more into
+    the same number of parts (one of SPLIT_COUNTS, fewer where its parts would hold fewer than MIN_PART),
+    `max_parts` in all at most. None where no split ends sooner; else (end, jobs, parts)."""
+    best = None
+    for k in SPLIT_COUNTS:
+        jobs, parts = [], []
+        for item, cost, _ in tail:
+            n = int(round(counts[item]))
+            pieces = max(1, min(k, n // MIN_PART))
+            if pieces == 1:
+                jobs.append((item, cost, -1))
+                continue
+            bounds = [n * i // pieces for i in range(pieces + 1)]
+            for first, end in zip(bounds, bounds[1:], strict=False):
+                share = (cost - ITEM_COST) * (end - first) / n
+                jobs.append((item, share + ITEM_COST + PART_COST, len(parts)))
+                parts.append((item, first, end))
+        if not parts or len(parts) > max_parts:
+            break
+        jobs.sort(key=lambda job: -job[1])  # stable: equal parts in the order made
+        trial = list(queue)
+        _place(jobs, trial)
+        end = max(t for t, _ in trial)
+        if best is None or end < best[0]:
+            best = (end, jobs, parts)
+    return best
 
 
 @dataclass(frozen=True)
@@ -183,7 +291,8 @@ def column_schedule(
     heads_kv = heads // group
     per_head = col_counts.reshape(batch, heads_kv, group, tiles_k)
     items = per_head.sum(axis=2).reshape(-1)
-    table, item_start = _deal(items, tiles_k, group_items, ctas)
+    dealt = _deal(items, tiles_k, group_items, ctas)
+    table, item_start = dealt.table, dealt.start
     # When the deal expects each visit: its item's start, past the group's earlier heads' visits.
     item = (b * heads_kv + h // group) * tiles_k + k
     earlier = np.cumsum(per_head, axis=2) - per_head

@@ -92,6 +92,8 @@ struct Params {
     const long long* rank_ptr;                  // its first rank
     const int* ranks;                           // each visit's rank among its query tile's adds
     int dq_unordered;                           // fused backward: its dQ adds in any order (cuda.py)
+    const int* parts;      // Hopper forward: each part of a split row: b, h, first query, first and end entry
+    const int* split_ptr;  // its combine pass: split row s's parts are split_ptr[s] to split_ptr[s + 1]
 };
 
 // The layout's (batch, head) line for batch b, query head h: a shared layout has one line for all of them.
@@ -113,15 +115,22 @@ __device__ __forceinline__ Span column_span(const Params& p, int b, int h, int t
     return {p.col_ptr[line], p.col_ptr[line + 1] - p.col_ptr[line]};
 }
 
+// SPLIT_ROWS: the Hopper forward's deal splits rows (build.KernelSpec.split_rows); the other passes walk none.
+#ifndef SPLIT_ROWS
+#define SPLIT_ROWS 0
+#endif
+
 // A persistent pass's work item with its row of the layout: batch element, query head, first query and the
-// row's span of entries.
+// row's span of entries (a part of a split row: its part of them).
 struct Row {
     int b, h, q0, begin, end;  // end, not a count: taking a row does no arithmetic on loads still in flight
+    int part;                  // of a split row (plan.work_order; its slot of the scratch), or -1
 };
 
 // A persistent CTA's work items: entries blockIdx.x, blockIdx.x + gridDim.x, ... of the work list (cuda.py:
-// item = (b * heads_q + h) * tiles_q + tile), up to a -1. Read ahead: when one starts, the next one's row and
-// the item after it are already loaded, so no item waits on a global load to begin.
+// item = (b * heads_q + h) * tiles_q + tile, or -2 - p for part p of a split row), up to a -1. Read ahead:
+// when one starts, the next one's row and the item after it are already loaded, so no item waits on a global
+// load to begin.
 struct Walk {
     int w, ahead;  // ahead: the item at w + gridDim.x, -1 past the last
     Row next;      // the item at w; b = -1 past the last
@@ -130,10 +139,14 @@ struct Walk {
         return w < p.work_count ? p.work[w] : -1;
     }
     __device__ __forceinline__ static Row row_of(const Params& p, int item) {
-        if (item < 0) return {-1, 0, 0, 0, 0};
+        if (SPLIT_ROWS ? item == -1 : item < 0) return {-1, 0, 0, 0, 0, -1};
+        if (item < 0) {
+            const int* part = p.parts + 5 * (-2 - item);
+            return {part[0], part[1], part[2], part[3], part[4], -2 - item};
+        }
         const int tile = item % p.tiles_q, h = (item / p.tiles_q) % p.heads_q, b = item / (p.tiles_q * p.heads_q);
         const int line = layout_line(p, b, h) * p.tiles_q + tile;
-        return {b, h, tile * TILE_M, p.row_ptr[line], p.row_ptr[line + 1]};
+        return {b, h, tile * TILE_M, p.row_ptr[line], p.row_ptr[line + 1], -1};
     }
     __device__ __forceinline__ explicit Walk(const Params& p)
         : w(blockIdx.x), ahead(item_at(p, blockIdx.x + gridDim.x)), next(row_of(p, item_at(p, blockIdx.x))) {}
@@ -427,6 +440,9 @@ struct OnlineSoftmax {
     }
 };
 
+// A row's log-sum-exp from its max `m` (log2 units) and sum `l`: -inf where no key was visible.
+__device__ __forceinline__ float lse_of(float m, float l) { return l > 0.f ? m * LN2 + logf(l) : -INFINITY; }
+
 // The forward's statistics for a warp's 16 rows from `row0`: writes lse = m * ln2 + ln(l) (-inf where a row
 // saw nothing) and returns in `inv` the factors 1 / l (0 there) that normalise the thread's two rows of out.
 __device__ __forceinline__ void finish_lse(const Params& p, const OnlineSoftmax& sm, int b, int h, int row0,
@@ -437,8 +453,26 @@ __device__ __forceinline__ void finish_lse(const Params& p, const OnlineSoftmax&
         const float l = quad_sum(sm.l[r]);
         inv[r] = l > 0.f ? 1.f / l : 0.f;
         const int q = row0 + g + 8 * r;
-        if (t == 0 && q < p.seq_q)
-            p.lse[b * p.lse_sb + h * p.lse_sh + q] = l > 0.f ? sm.m[r] * LN2 + logf(l) : -INFINITY;
+        if (t == 0 && q < p.seq_q) p.lse[b * p.lse_sb + h * p.lse_sh + q] = lse_of(sm.m[r], l);
+    }
+}
+
+// A split row's part (plan.work_order) in its slot of the scratch (p.stats): TILE_M lse, then out = acc / l,
+// [TILE_M][HEAD_DIM] fp32, for the combine pass (forward_combine.cu). `row0`: the warp's first row in the tile.
+constexpr int PART_SLOT = TILE_M * (HEAD_DIM + 1);
+__device__ __forceinline__ void store_part(const Params& p, const OnlineSoftmax& sm, const float (&o)[HEAD_DIM / 8][4],
+                                           int part, int row0, int lane) {
+    float* slot = p.stats + (long long)part * PART_SLOT;
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const float l = quad_sum(sm.l[r]), inv = l > 0.f ? 1.f / l : 0.f;
+        const int row = row0 + g + 8 * r;
+        if (t == 0) slot[row] = lse_of(sm.m[r], l);
+        float* out = slot + TILE_M + row * HEAD_DIM + 2 * t;
+#pragma unroll
+        for (int d = 0; d < HEAD_DIM / 8; ++d)
+            *reinterpret_cast<float2*>(out + d * 8) = make_float2(o[d][2 * r] * inv, o[d][2 * r + 1] * inv);
     }
 }
 

@@ -18,7 +18,9 @@
 // matrix products. Items run on into each other: a row's last O += P V is issued with the next row's first S, and
 // the row is written out while that S is in flight, so that short rows (narrow windows, S = 4096) keep the
 // tensor cores busy. Writes out [B, Hq, Sq, D] (o_map: tiles of 64 rows) and lse [B, Hq, Sq] as forward.cu
-// does.
+// does. With SPLIT_ROWS, the deal's last rows may come as parts of their entries, dealt to several CTAs so
+// that no SM waits for a last round of few rows (plan.work_order): a part's lse and out = acc / l go to its
+// slot of the scratch in fp32 (store_part), and forward_combine.cu then writes those rows.
 #include "hopper.cuh"
 
 using namespace csa;
@@ -132,6 +134,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     // Writes out row `r`, whose Q was use `q_use`, once its last O += P V has landed (STAGE_OUT: through its Q
     // buffer, which return_q then hands back).
     auto write_out = [&](const Row& r, int q_use) {
+        if (SPLIT_ROWS && r.part >= 0) {  // the combine pass writes the row
+            store_part(p, sm, o, r.part, rows, lane);
+            return;
+        }
         if constexpr (STAGE_OUT) {
             float inv[2];
             finish_lse(p, sm, r.b, r.h, r.q0 + rows, lane, inv);

@@ -38,13 +38,18 @@ CASES = [
     ("random bits bf16 d64", torch.bfloat16, 64, 1, 200, None),
     # The fused backward at head dim 128 stages an empty key tile's zeros apart from its K and V.
     ("random bits bf16 d128", torch.bfloat16, 128, 2, 300, None),
+    # On three SMs the Hopper forward's deal splits its last row into parts (plan.work_order): their outputs
+    # go to a scratch, and a combine pass writes the row.
+    ("dense bf16 d128 split", torch.bfloat16, 128, 2, 2176, patterns.dense(block=128)),
+    ("dense fp16 d64 wide split", torch.float16, 64, 1, 2048, patterns.dense(block=128)),
 ]
 
 
 def main() -> None:
-    # Two SMs' worth of persistent CTAs: each walks many work items, reusing its buffers and barriers.
-    cuda.sm_count = lambda device: 2
     for name, dtype, dim, group, seq, pattern in CASES:
+        # Two SMs' worth of persistent CTAs (three to split rows): each walks many work items, reusing its
+        # buffers and barriers.
+        cuda.sm_count = lambda device, sms=(3 if "split" in name else 2): sms
         cuda._wide_pays = lambda *args, wide="wide" in name: wide
         layout = random_layout(seq) if pattern is None else pattern.layout(seq)
         q = torch.randn(2, seq, 4, dim, device="cuda", dtype=dtype).transpose(1, 2)

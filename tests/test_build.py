@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import shutil
 
@@ -183,17 +184,26 @@ def test_every_specialisation_compiles_for_sm80_and_sm90_without_spills(capsys):
         assert f"ok   sm_90a {kernel}_bf16_d128" in report
 
 
+# The Hopper pass whose scratch each PLAIN pass reads by that pass's query tiles.
+BESIDE = {
+    "backward_stats": "backward_sm90",
+    "backward_dq_convert": "backward_sm90",
+    "forward_combine": "forward_sm90",
+}
+
+
 @pytest.mark.parametrize("kernel", build.PLAIN)
-def test_plain_passes_take_the_fused_query_tiles_and_no_layout(kernel):
-    """The fused backward's first and last passes address its dQ sums and counters by its query tiles."""
+def test_plain_passes_take_the_query_tiles_of_the_pass_beside_them_and_no_layout(kernel):
+    """The fused backward's first and last passes address its dQ sums and counters by its query tiles, the
+    forward's combine pass its split rows' parts: a spec for each of that pass's tilings (with a score mod,
+    wide)."""
+    beside = BESIDE[kernel]
     for head_dim in build.HOPPER_HEAD_DIMS:
-        assert build.tile_config(kernel, head_dim) == build.edge_tiles(
-            build.tile_config("backward_sm90", head_dim)
-        )
-        for score in (False, True):
-            fused = build.tile_config("backward_sm90", head_dim, score=score)
-            tm, _, nw = build.edge_tiles(fused)
-            assert tm == fused[0] == 16 * nw
+        assert build.tile_config(kernel, head_dim) == build.edge_tiles(build.tile_config(beside, head_dim))
+        for score, wide in itertools.product((False, True), repeat=2):
+            tiles = build.tile_config(beside, head_dim, score=score, wide=wide)
+            tm, _, nw = build.edge_tiles(tiles)
+            assert tm == tiles[0] == 16 * nw
             spec = build.KernelSpec.make(kernel, "float16", head_dim, tiles=(tm, 64, nw))
             assert spec.shared_bytes == 0 and spec in build.all_specs()
     with pytest.raises(ValueError, match="no layout rule or score mod"):

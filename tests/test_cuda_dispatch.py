@@ -198,6 +198,7 @@ def test_a_second_call_reuses_the_passes_and_packs_its_own_arrays(launches, monk
             tables = cuda.device_tables(layout, tiles[0], tiles[1], 0)
             packed = np.frombuffer(bytearray(args[0].tobytes()), build.PARAMS)[0]
             packed["work"], packed["work_count"] = 0, 0  # the forward's schedule: test_hopper_gpus_run...
+            packed["parts"], packed["split_ptr"] = 0, 0
             assert packed.tobytes() == fieldwise(tables, None, 0.25, **arrays), name
     # One pass each, made in the first call, bound once to arrays laid out as these (addresses apart).
     passes = [p for entries in cuda._tables[id(layout)].values() for p in entries.passes.values()]
@@ -245,7 +246,7 @@ def test_hopper_gpus_run_the_hopper_forward_with_four_tma_maps(
     items = 8 * tiles_q
     assert grid == (min(items, sms), 1, 1) and nargs == 5  # the parameters, then q, k, v and out maps
     (tables,) = cuda._tables[id(layout)].values()
-    work = tables.work(2, 4, min(items, sms), 2 * sms)["work"]  # plan.work_order deals it (test_plan)
+    work = tables.work(2, 4, min(items, sms), 2 * sms, min(items, sms))["work"]  # plan.work_order deals it
     assert args[0]["work"] == work.data.ptr and args[0]["work_count"] == work.size
     assert sorted(work.host[work.host >= 0]) == list(range(items)) and work.size % grid[0] == 0
     if sms == 132 and not wide:  # one item per CTA in the order dealt: each line's last query tile first
@@ -265,7 +266,7 @@ def test_hopper_gpus_run_the_hopper_forward_with_four_tma_maps(
     ("pattern", "seq", "head_dim", "pays"),
     [
         (patterns.dense(block=128), 16384, 64, True),
-        (patterns.dense(block=128), 4096, 64, False),  # 22 tiles of 192 rows for 21.3: the last one pads
+        (patterns.dense(block=128), 4096, 64, True),  # 22 tiles of 192 rows for 21.3, the last round split
         (patterns.causal(block=128), 16384, 64, True),
         (patterns.local(window=1024, block=128), 16384, 64, False),  # a row of 192 visits 1.5 blocks more
         (patterns.causal(block=16), 16384, 64, False),  # 96 cells of 16 x 16 in a 192 x 128 tile

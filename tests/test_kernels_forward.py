@@ -12,7 +12,17 @@ import math
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
-from kernel_cases import DTYPES, _torch, cases, hopper_path, layout_for, np_dtype, run_forward, to_host
+from kernel_cases import (
+    DTYPES,
+    _torch,
+    cases,
+    hopper_path,
+    layout_for,
+    np_dtype,
+    run_forward,
+    to_device,
+    to_host,
+)
 from oracle import check_close, forward_refs, random_qkv
 
 from cusparseattn import BlockLayout, build, patterns
@@ -150,7 +160,8 @@ def test_the_hopper_forward_takes_wide_tiles(kind, block, seq_q, seq_k, head_dim
     layout = layout_for(kind, rng, 2, 4, seq_q, seq_k, block)
     assert_matches(q, k, v, layout, dtype)
     tiles = (128, 128) if kind == "random_rule" else build.WIDE_TILES["forward_sm90"][head_dim][:2]
-    assert launched == ["forward_sm90"] and list(cuda._tables[id(layout)]) == [(*tiles, 0)]
+    assert launched[0] == "forward_sm90" and list(cuda._tables[id(layout)]) == [(*tiles, 0)]
+    assert launched[1:] in ([], ["forward_combine"])  # split rows (test_the_hopper_forward_splits_...)
 
 
 @pytest.mark.parametrize("sms", [1, 5])
@@ -167,4 +178,76 @@ def test_the_persistent_hopper_forward_walks_many_items_per_cta(sms, kind, monke
     # Blocks of 128, the kernel's tiles: the random layout's empty row of blocks is an empty item.
     layout = layout_for(kind, rng, 2, 4, 700, 650, 128)
     assert_matches(q, k, v, layout, "bfloat16")
-    assert launched == ["forward_sm90"]
+    assert launched[0] == "forward_sm90" and launched[1:] in ([], ["forward_combine"])
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kind", ["dense", "causal", "bits"])
+def test_the_hopper_forward_splits_its_last_rows(kind, head_dim, wide, monkeypatch):
+    """Rows that would start once the first CTA is idle split into parts (plan.work_order; sm_count patched
+    to the first number of SMs, from 2, whose deal splits some): each part's fp32 output and lse go to a
+    scratch, and a combine pass writes the rows, every element of them (the outputs are poisoned). No mask,
+    a rule's C expression (causal) and bit masks (a rule without one, in every block: 128 x 128 tiles);
+    ragged query and key lengths, GQA, a [B, S, H, D] view, a layout of one batch element or of every head."""
+    from cusparseattn import TokenRule, cuda, plan
+
+    launched = hopper_path(monkeypatch, True)
+    monkeypatch.setattr(cuda, "_wide_pays", lambda *args: wide)
+    seed = ["dense", "causal", "bits"].index(kind) * 4 + head_dim // 64 + 2 * wide
+    rng = np.random.default_rng(seed)
+    dtype = DTYPES[seed % 2]
+    print(f"seed {seed}, {dtype}")
+    batch, heads, seq_q, seq_k = 2, 4, 1000, 3000
+    q, k, v = random_qkv(rng, batch, heads, 2, seq_q, seq_k, head_dim, np_dtype(dtype), "bshd")
+    if kind == "bits":
+        blocks = np.ones((1, heads, -(-seq_q // 128), -(-seq_k // 128)), bool)
+        rule = TokenRule("mod3", lambda b, h, q, k: (q + 2 * k + h) % 3 != 0)
+        layout = BlockLayout(blocks, block_size=128, seq_q=seq_q, seq_k=seq_k, partial=blocks, rule=rule)
+    else:
+        layout = layout_for(kind, rng, batch, heads, seq_q, seq_k, 128)
+    tiles = build.tile_config("forward_sm90", head_dim, wide=wide and kind != "bits")
+    tables = cuda.device_tables(layout, tiles[0], tiles[1], 0)
+    items = batch * heads * tables.plan.tiles_q
+
+    def splits(sms: int) -> bool:
+        ctas = min(items, sms)
+        schedule = plan.work_order(tables.plan, *tables.layout_lines, batch, heads, ctas, 2 * sms, ctas)
+        return len(schedule.parts) > 0
+
+    sms = next(n for n in range(2, items) if splits(n))
+    monkeypatch.setattr(cuda, "sm_count", lambda device: sms)
+    assert_matches(q, k, v, layout, dtype)
+    assert launched == ["forward_sm90", "forward_combine"]
+
+
+def test_split_rows_of_holders_that_cannot_allocate(monkeypatch):
+    """XLA's buffers (FixedTensor holders here, over PyTorch's memory and stream) cannot make the split rows'
+    scratch: it comes from CuPy's pool, on their stream, and the outputs are the same bits as through
+    PyTorch's holders."""
+    torch = _torch()
+    from cusparseattn import arrays, cuda
+
+    launched = hopper_path(monkeypatch, True)
+    monkeypatch.setattr(cuda, "sm_count", lambda device: 3)  # 136 rows of 17 key tiles: the last one splits
+    rng = np.random.default_rng(1)
+    q, k, v = random_qkv(rng, 2, 4, 2, 2176, 2176, 128, np_dtype("bfloat16"), "bhsd")
+    layout = patterns.dense(block=128).layout(2176)
+    out, lse = run_forward(q, k, v, layout)
+    assert launched == ["forward_sm90", "forward_combine"]
+    stream = torch.cuda.current_stream().cuda_stream
+    tensors = [to_device(x) for x in (q, k, v)]
+    tensors += [
+        torch.full_like(tensors[0], float("nan")),
+        torch.full(q.shape[:3], float("nan"), device="cuda"),
+    ]
+    held = [
+        arrays.FixedTensor(t, name, t.shape, t.stride(), dtype, ("cuda", 0), t.data_ptr(), stream)
+        for t, name, dtype in zip(
+            tensors, ("q", "k", "v", "out", "lse"), [*["bfloat16"] * 4, "float32"], strict=True
+        )
+    ]
+    cuda.forward(*held, layout, 1 / math.sqrt(128))
+    torch.cuda.synchronize()
+    assert np.array_equal(to_host(tensors[3]).view(np.uint16), out.view(np.uint16))
+    assert np.array_equal(to_host(tensors[4]), lse)

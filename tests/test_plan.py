@@ -154,7 +154,9 @@ def test_work_order_deals_every_row_once_heaviest_first_in_groups(
     lb, lh = layout_lines
     blocks = np.random.default_rng(seed).random((lb, lh, tiles_q, 5)) < 0.4
     p = plan.build(BlockLayout(blocks, block_size=64, seq_q=64 * tiles_q, seq_k=64 * 5), 64, 64)
-    work = plan.work_order(p, lb, lh, batch, heads, ctas, group_items)
+    schedule = plan.work_order(p, lb, lh, batch, heads, ctas, group_items)
+    work = schedule.table
+    assert schedule.parts.shape == (0, 5) and list(schedule.split_ptr) == [0]  # none without max_parts
     items = batch * heads * tiles_q
     used = min(ctas, items)
     assert work.dtype == np.int32 and work.size % used == 0
@@ -187,6 +189,67 @@ def test_work_order_deals_every_row_once_heaviest_first_in_groups(
     assert (np.diff(group) >= 0).all()
     heavier_first = counts[dealt][:-1] >= counts[dealt][1:]
     assert (heavier_first | (np.diff(group) > 0)).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    layout_lines=st.sampled_from([(1, 1), (1, 3), (2, 3)]),
+    tiles_q=st.integers(1, 6),
+    ctas=st.integers(1, 16),
+    max_parts=st.integers(1, 16),
+    density=st.sampled_from([0.3, 1.0]),
+    seed=st.integers(0, 2**31),
+)
+def test_work_order_splits_rows_into_parts_that_cover_them_once(
+    layout_lines, tiles_q, ctas, max_parts, density, seed
+):
+    """With `max_parts`, each row of the call is dealt whole or as parts of MIN_PART entries or more that
+    cover its entries once, in order, each part dealt once; at most `max_parts` parts, those of a row
+    consecutive (split_ptr), each naming its row's batch element, head and first query. The deal ends no
+    later than without parts."""
+    batch, heads, keys = 2, 3, 40
+    lb, lh = layout_lines
+    blocks = np.random.default_rng(seed).random((lb, lh, tiles_q, keys)) < density
+    p = plan.build(BlockLayout(blocks, block_size=64, seq_q=64 * tiles_q, seq_k=64 * keys), 64, 64)
+    s = plan.work_order(p, lb, lh, batch, heads, ctas, 2, max_parts)
+    items = batch * heads * tiles_q
+    table = s.table.reshape(-1, min(ctas, items))
+    for column in table.T:  # a CTA's items, then only -1
+        n = int((column != -1).sum())
+        assert (column[n:] == -1).all()
+    whole, parts = s.table[s.table >= 0], -2 - s.table[s.table < -1]
+    assert sorted(parts) == list(range(len(s.parts))) and len(s.parts) <= max_parts
+    split_rows = []
+    for first, end in zip(s.split_ptr[:-1], s.split_ptr[1:], strict=True):
+        b, h, q0 = s.parts[first, :3]
+        assert (s.parts[first:end, :3] == (b, h, q0)).all() and end - first >= 2
+        tile = q0 // 64
+        line = ((b % lb) * lh + h % lh) * tiles_q + tile
+        bounds = [p.row_ptr[line], *s.parts[first:end, 4]]
+        assert list(s.parts[first:end, 3]) == bounds[:-1] and bounds[-1] == p.row_ptr[line + 1]
+        assert (np.diff(bounds) >= plan.MIN_PART).all()
+        split_rows.append((b * heads + h) * tiles_q + tile)
+    assert sorted([*whole, *split_rows]) == list(range(items))
+    counts = blocks.sum(axis=3)
+    assert plan.makespan(counts, batch, heads, ctas, 2, max_parts) <= plan.makespan(
+        counts, batch, heads, ctas, 2
+    )
+
+
+def test_work_order_splits_a_last_round_of_few_rows():
+    """17 equal rows on 8 CTAs: dealt whole, one CTA runs the seventeenth alone for a third of the time;
+    split, its parts run on all of them, and the deal ends about when the mean does."""
+    ctas, keys = 8, 40
+    blocks = np.ones((1, 1, 17, keys), bool)
+    p = plan.build(BlockLayout(blocks, block_size=64, seq_q=64 * 17, seq_k=64 * keys), 64, 64)
+    counts = blocks.sum(axis=3)
+    whole = plan.makespan(counts, 1, 1, ctas, 2)
+    assert whole == 3 * (keys + plan.ITEM_COST)
+    split = plan.makespan(counts, 1, 1, ctas, 2, ctas)
+    mean = 17 * (keys + plan.ITEM_COST) / ctas
+    assert split < mean + 2 * (plan.ITEM_COST + plan.PART_COST) + keys / ctas
+    s = plan.work_order(p, 1, 1, 1, 1, ctas, 2, ctas)
+    assert len(s.split_ptr) == 2 and len(s.parts) == ctas  # the last row, an eighth a CTA
 
 
 @settings(max_examples=30, deadline=None)
@@ -265,7 +328,7 @@ def test_deal_groups_cover_their_longest_item():
     alone; groups large enough that their share of each CTA covers the longest end within one item."""
     line, lines, ctas = 64, 32, 16
     counts = np.tile(np.where(np.arange(line) % 8 == 7, 120, 8), lines)
-    _, start = plan._deal(counts, line, 2 * ctas, ctas)
+    start = plan._deal(counts, line, 2 * ctas, ctas).start
     finish = start + counts + plan.ITEM_COST
     assert finish.max() - (counts + plan.ITEM_COST).sum() / ctas < 8 + plan.ITEM_COST
 
@@ -280,7 +343,7 @@ def test_column_schedule_spreads_a_heads_adds_over_steps():
     p = plan.build(BlockLayout(blocks, block_size=64, seq_q=64 * tiles), 64, 64)
     sched = plan.column_schedule(p, 1, 1, 1, heads, 1, ctas)
     counts = np.tile(np.diff(p.col_ptr), heads)
-    _, item_start = plan._deal(counts, tiles, 1, ctas)
+    item_start = plan._deal(counts, tiles, 1, ctas).start
 
     def meetings(start):
         seen, met = set(), []
