@@ -364,8 +364,8 @@ class _Pass:
 
 
 class _Bound:
-    """A pass's launches over arrays described as `arrays` are (name -> holder, `ARRAYS` a prefix of the
-    names): the parameters with every stride packed, and the TMA descriptors of the `rows` arrays (a Hopper
+    """A pass's launches over arrays described as `arrays` are (name -> holder, in `ARRAYS` order, any of
+    them): the parameters with every stride packed, and the TMA descriptors of the `rows` arrays (a Hopper
     kernel's: tiles of ``rows[name]`` rows) by address. A launch then writes the arrays' addresses alone into
     the kernel's argument buffer, which it keeps: a prepared call's host time is the budget, and building
     the arguments anew cost more than the driver's launch on PyTorch's autograd thread."""
@@ -373,13 +373,15 @@ class _Bound:
     def __init__(self, launch: _Pass, arrays: dict, rows: dict):
         # The device arrays its parameters point to (not the pass, which keeps it: no cycle to collect).
         self.kernel, self._arrays = launch.kernel, launch.arrays
-        if tuple(arrays) != ARRAYS[: len(arrays)]:
-            raise ValueError(f"a pass binds the arrays {ARRAYS} in order, got {tuple(arrays)}")
+        if tuple(arrays) != tuple(name for name in ARRAYS if name in arrays):
+            raise ValueError(f"a pass binds arrays of {ARRAYS} in that order, got {tuple(arrays)}")
         params = bytearray(launch.params)
         for name, holder in arrays.items():
             field, ndim = _STRIDES[name]
             struct.pack_into(f"<{ndim}q", params, _offset(field), *holder.strides[:ndim])
-        self._pointers = f"<{len(arrays)}Q"
+        # Params starts with the arrays' pointers in ARRAYS order: those not bound stay 0 (padding bytes).
+        last = max(ARRAYS.index(name) for name in arrays)
+        self._pointers = "<" + "".join("Q" if name in arrays else "8x" for name in ARRAYS[: last + 1])
         slots = {name: i for i, name in enumerate(arrays)}
         self._maps = tuple((slots[name], tma.TileMaps(arrays[name], count)) for name, count in rows.items())
         # The arguments (parameters, then descriptors) in one buffer, and the table of their addresses.
@@ -548,13 +550,12 @@ class Forward:
                 grid = (tables.plan.tiles_q, heads_q, batch)
             made = {"out": _Like(q.shape, q.dtype), "lse": _Like(q.shape[:3], "float32")}
             names = ARRAYS[:5]
-            # Split rows' parts go to a scratch (`stats`, Params' last array), a slot of TILE_M lse and then
-            # [TILE_M, D] outputs (fp32) each; a combine pass then writes those rows.
+            # Split rows' parts go to a scratch (`stats`), a slot of TILE_M lse and then [TILE_M, D] outputs
+            # (fp32) each; a combine pass then writes those rows.
             self.scratch = (work["parts"].shape[0], tiles[0], q.shape[3] + 1) if splits else None
             if splits:
-                names = ARRAYS
-                made |= {"dout": made["out"], "dq": made["out"], "dk": _Like(k.shape, k.dtype)}
-                made |= {"dv": made["dk"], "stats": _Like(self.scratch, "float32")}
+                names += ("stats",)
+                made["stats"] = _Like(self.scratch, "float32")
             arrays = _bound_arrays(names, dict(q=q, k=k, v=v, out=out, lse=lse), made)
             self.launches = [
                 _pass(kernel, grid, tables, score, scale, tiles, work, q=q, k=k).bind(arrays, rows)
@@ -573,8 +574,8 @@ class Forward:
             _bind(self.device)
             addresses = (q.data_ptr, k.data_ptr, v.data_ptr, out.data_ptr, lse.data_ptr)
             scratch = None if self.scratch is None else _scratch(q, self.scratch)
-            if scratch is not None:  # the backward's arrays, which the forward does not read, at 0
-                addresses += (0, 0, 0, 0, scratch.data_ptr)
+            if scratch is not None:
+                addresses += (scratch.data_ptr,)
             for launch in self.launches:
                 launch.launch(q.stream, addresses)
 

@@ -162,8 +162,7 @@ def _deal(counts: np.ndarray, line: int, group_items: int, ctas: int, max_parts:
     order = np.lexsort((-counts, group))
     queue = [(0, c) for c in range(min(ctas, len(order)))]
     jobs = [
-        (item, cost, -1)
-        for item, cost in zip(order.tolist(), (counts[order] + ITEM_COST).tolist(), strict=True)
+        (item, c, -1) for item, c in zip(order.tolist(), (counts[order] + ITEM_COST).tolist(), strict=True)
     ]
     placed = _place(jobs, queue)
     parts = []
@@ -171,7 +170,12 @@ def _deal(counts: np.ndarray, line: int, group_items: int, ctas: int, max_parts:
         # Start times only grow along the deal: the items that start once a CTA would be idle are its last.
         first_idle = min(queue)[0]
         tail = next((i for i, (when, _) in enumerate(placed) if when >= first_idle), len(placed))
-        before = _after(jobs[:tail], len(queue))
+        # The queue as the tail found it: each CTA free once its last job before the tail ends.
+        free = [0] * len(queue)
+        for (_, c, _), (when, cta) in zip(jobs[:tail], placed[:tail], strict=True):
+            free[cta] = when + c
+        before = [(t, cta) for cta, t in enumerate(free)]
+        heapq.heapify(before)
         split = _split_tail(counts, jobs[tail:], before, max_parts)
         if split and max(queue)[0] - split[0] > SPLIT_GAIN:
             queue, jobs, parts = before, jobs[:tail] + split[1], split[2]
@@ -198,13 +202,6 @@ def _place(jobs: list, queue: list) -> list:
         placed.append((free_at, cta))
         heapq.heappush(queue, (free_at + cost, cta))
     return placed
-
-
-def _after(jobs: list, ctas: int) -> list:
-    """The queue of `ctas` CTAs once `jobs` are placed."""
-    queue = [(0, c) for c in range(ctas)]
-    _place(jobs, queue)
-    return queue
 
 
 def _split_tail(counts: np.ndarray, tail: list, queue: list, max_parts: int):

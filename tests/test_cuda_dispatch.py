@@ -21,7 +21,7 @@ from cusparseattn import BlockLayout, TokenRule, build, cuda, mods, patterns, tm
 class FakeDeviceArray:
     def __init__(self, host):
         self.host = np.asarray(host)
-        self.size = self.host.size
+        self.size, self.shape = self.host.size, self.host.shape
         self.data = types.SimpleNamespace(ptr=id(self))
 
 
@@ -36,6 +36,11 @@ class Holder:
         self.strides = tuple(int(np.prod(shape[i + 1 : -1])) * row for i in range(len(shape) - 1)) + (1,)
         self.dtype, self.data_ptr, self.device, self.stream = dtype, address, ("cuda", 0), 0
         self.ndim = len(shape)
+        self.made = []  # the arrays made through `empty`
+
+    def empty(self, shape, dtype):
+        self.made.append(Holder(shape, dtype, address=0x20000000))
+        return self.made[-1]
 
 
 @pytest.fixture
@@ -260,6 +265,32 @@ def test_hopper_gpus_run_the_hopper_forward_with_four_tma_maps(
     q_rows = 64 if (head_dim, tn) == (128, 128) or tm == 192 else tm
     q_box, key_box, out_box = ((64, n, panels, 1, 1) for n in (q_rows, tn, 64))
     assert [m[2] for m in maps] == [q_box, key_box, key_box, out_box]
+
+
+def test_a_hopper_forward_that_splits_rows_points_them_at_a_scratch_and_combines_them(launches, monkeypatch):
+    """Where the deal splits rows (3 SMs, 136 equal rows of 17 key tiles: the last one in three parts), the
+    forward is built with SPLIT_ROWS and both it and the combine pass (a warp for each query row of each split
+    row) read the schedule's parts and a scratch that q's framework makes: a slot a part of TILE_M lse and
+    TILE_M x D outputs in fp32. The backward's arrays stay unbound (0)."""
+    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90)
+    monkeypatch.setattr(cuda, "sm_count", lambda device: 3)
+    seq, dim = 2176, 128
+    q, k, v = Holder((2, 4, seq, dim)), Holder((2, 2, seq, dim)), Holder((2, 2, seq, dim))
+    out, lse = Holder((2, 4, seq, dim)), Holder((2, 4, seq), dtype="float32")
+    cuda.forward(q, k, v, out, lse, patterns.dense(block=128).layout(seq), 0.1)
+    (forward, grid, _, (params, *_), _, _), (combine, combine_grid, block, (combined,), _, maps) = launches
+    assert (
+        forward.startswith("forward_sm90_bf16_d128_q128") and forward.endswith("_split") and grid == (3, 1, 1)
+    )
+    assert combine == "forward_combine_bf16_d128_q128k64w8_none" and combine_grid == (1, 16, 1)
+    assert block == (256, 1, 1) and maps == []
+    (scratch,) = q.made
+    assert scratch.shape == (3, 128, dim + 1) and scratch.dtype == "float32"
+    for p in (params, combined):
+        assert p["stats"] == scratch.data_ptr and p["o"] == out.data_ptr and p["lse"] == lse.data_ptr
+        assert p["parts"] != 0 and p["split_ptr"] != 0
+        assert [p[name] for name in ("dout", "dq", "dk", "dv")] == [0, 0, 0, 0]
+    assert params["parts"] == combined["parts"] and params["split_ptr"] == combined["split_ptr"]
 
 
 @pytest.mark.parametrize(
