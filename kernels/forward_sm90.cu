@@ -8,7 +8,8 @@
 // long as its products; key tiles of 128, or 192 at head dim 128, fewer steps for the same products. Those
 // wide tiles (build.WIDE_TILES) run where the host finds that they pay (cuda._wide_pays). The producer
 // gives most of its registers to the others; one of its threads copies each item's Q tile into a ring of
-// Q_BUFFERS, then the K and V tiles that the layout's row lists into two rings (hopper.cuh's Ring); the
+// Q_BUFFERS, then the K and V tiles that the layout's row lists into two rings (hopper.cuh's Ring), each K
+// tile before the V tile of the entry before it, as the consumers wait for them; the
 // rings run on across items. K_i is released once S_i has landed, a step before V_i, so the next K copy
 // starts early, and Q once the row's last S has landed, or once out has been stored from it (STAGE_OUT);
 // with two Q buffers the next item's Q is copied while this one runs. Each consumer warpgroup owns 64 query
@@ -99,8 +100,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 for (int r = 0; r < TILE_M; r += Q_ROWS)
                     tma_load_tile(sh.q[rows_done % Q_BUFFERS] + r * HEAD_DIM, q_map, q_full, row.q0 + r, row.h, row.b);
                 ++rows_done;
-                stream_kv<TILE_N>(p, span, row.h / p.group, row.b, sh.k, sh.v, k_map, v_map, sh.k_ring, sh.v_ring,
-                                  uses);
+                stream_kv<TILE_N, STAGES, V_STAGES, true>(p, span, row.h / p.group, row.b, sh.k, sh.v, k_map, v_map,
+                                                          sh.k_ring, sh.v_ring, uses);
                 uses += span.count;
             }
         }

@@ -53,15 +53,27 @@ struct Barrier {
         asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_address(this)) : "memory");
     }
     // Returns once the phase of this parity has completed. Parity 1 before the first completion returns at
-    // once: a producer's first pass over empty buffers does not wait.
+    // once: a producer's first pass over empty buffers does not wait. With BARRIER_SLEEPS, a thread whose try
+    // fails sleeps until the barrier moves (the suspend-time hint: NANOSLEEP.SYNCS) rather than trying again
+    // at once: the forward's producer thread spun 211 tries a key tile while it waited for a free buffer.
     __device__ __forceinline__ void wait(unsigned parity) {
         unsigned done;
         do {
-            asm volatile(
-                "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-                : "=r"(done)
-                : "r"(smem_address(this)), "r"(parity)
-                : "memory");
+            if constexpr (BARRIER_SLEEPS) {
+                asm volatile(
+                    "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n"
+                    "selp.u32 %0, 1, 0, p;\n}\n"
+                    : "=r"(done)
+                    : "r"(smem_address(this)), "r"(parity), "n"(10000000)
+                    : "memory");
+            } else {
+                asm volatile(
+                    "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                    "selp.u32 %0, 1, 0, p;\n}\n"
+                    : "=r"(done)
+                    : "r"(smem_address(this)), "r"(parity)
+                    : "memory");
+            }
         } while (!done);
     }
 };
@@ -153,17 +165,28 @@ __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.w
 // The producer's part of a row-walking pass: the K and V tiles (ROWS keys, key/value head hk, batch element b)
 // of each entry of `span` into their rings (of K_DEPTH and V_DEPTH buffers), the next copy issued as soon as a
 // buffer is free. The rings have been used `first` times before (earlier work items of a persistent CTA).
-template <int ROWS, int K_DEPTH, int V_DEPTH>
+// K_AHEAD (the forward, whose step i multiplies by K_i and then V_{i-1}): each K tile is copied before the V
+// tile of the entry before it, in the order the consumers wait for them.
+template <int ROWS, int K_DEPTH, int V_DEPTH, bool K_AHEAD = false>
 __device__ __forceinline__ void stream_kv(const Params& p, Span span, int hk, int b, elem_t (*k)[ROWS * HEAD_DIM],
                                           elem_t (*v)[ROWS * HEAD_DIM], const TensorMap& k_map,
                                           const TensorMap& v_map, Ring<K_DEPTH>& k_ring, Ring<V_DEPTH>& v_ring,
                                           int first) {
     constexpr unsigned BYTES = ROWS * HEAD_DIM * sizeof(elem_t);
+    auto load_v = [&](int i) {
+        const int use = first + i;
+        tma_load_tile(v[use % V_DEPTH], v_map, v_ring.fill(use, BYTES), p.entries[span.begin + i].x * ROWS, hk, b);
+    };
     for (int i = 0; i < span.count; ++i) {
         const int k0 = p.entries[span.begin + i].x * ROWS, use = first + i;
         tma_load_tile(k[use % K_DEPTH], k_map, k_ring.fill(use, BYTES), k0, hk, b);
-        tma_load_tile(v[use % V_DEPTH], v_map, v_ring.fill(use, BYTES), k0, hk, b);
+        if (!K_AHEAD) {
+            load_v(i);
+        } else if (i > 0) {
+            load_v(i - 1);
+        }
     }
+    if (K_AHEAD && span.count > 0) load_v(span.count - 1);
 }
 
 // ---- warpgroup MMA ----------------------------------------------------------------------------------------

@@ -130,6 +130,15 @@ def test_the_fused_backward_and_the_wide_forward_step_their_descriptors_with_64_
             assert f"#define DESC_ADD64 {int(kernel == 'backward_sm90')}" in prelude
 
 
+def test_only_the_hopper_forward_sleeps_between_tries_of_a_barrier_wait():
+    """build.barrier_sleeps: the forward's threads sleep until a barrier moves (its producer had spun 211
+    tries a key tile); the backward passes, whose waits asleep ran x0.97 to x0.99, try again at once."""
+    for kernel in build.ARCH:
+        prelude = build.KernelSpec.make(kernel, "bfloat16", 128).prelude()
+        assert f"#define BARRIER_SLEEPS {int(kernel == 'forward_sm90')}" in prelude
+    assert "BARRIER_SLEEPS" not in build.KernelSpec.make("forward", "bfloat16", 128).prelude()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
