@@ -145,8 +145,10 @@ class DeviceTables:
         self.plan = plan.build(layout, tile_m, tile_n)
         p = self.plan
         # Kept as attributes: the device memory lives as long as these tables.
+        # entries with one past the last row's, so that a kernel reads a row's next entry without a check.
+        entries = np.concatenate([p.entries, np.array([[0, -1]], np.int32)])
         self.arrays = {
-            name: cupy.asarray(getattr(p, name))
+            name: cupy.asarray(entries if name == "entries" else getattr(p, name))
             for name in ("row_ptr", "entries", "col_ptr", "col_entries", "sub_bits", "bit_mask")
         }
         rule = layout.rule if p.rule_mode == "expr" else None

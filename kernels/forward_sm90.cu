@@ -91,7 +91,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     if (warpgroup == 0) {
         release_registers<PRODUCER_REGS>();
         if (threadIdx.x == 0) {
-            int rows_done = 0, uses = 0;
+            unsigned rows_done = 0, uses = 0;
             for (Walk walk(p); !walk.done();) {
                 const Row row = walk.take(p);
                 const Span span{row.begin, row.end - row.begin};
@@ -117,24 +117,26 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     unsigned pa[TILE_N / 16][4];
     float alpha[2];
     // The consumer's 64 rows of Q's use `q_use`: its own copy, or its rows of the first panel of the tile's.
-    auto q_rows = [&](int q_use) { return sh.q[q_use % Q_BUFFERS] + consumer * 64 * (Q_ROWS == 64 ? HEAD_DIM : 64); };
+    auto q_rows = [&](unsigned q_use) {
+        return sh.q[q_use % Q_BUFFERS] + consumer * 64 * (Q_ROWS == 64 ? HEAD_DIM : 64);
+    };
     // Ring use `use` of K and V; Q's `q_use`.
-    auto issue_scores_of = [&](int q_use, int use) {
+    auto issue_scores_of = [&](unsigned q_use, unsigned use) {
         sh.k_ring.wait(use);
         issue_ABt<TILE_N, Q_ROWS>(sc, q_rows(q_use), sh.k[use % STAGES]);
     };
-    auto issue_output_of = [&](int use) {
+    auto issue_output_of = [&](unsigned use) {
         sh.v_ring.wait(use);
         issue_PB<TILE_N>(o, pa, sh.v[use % V_STAGES]);
     };
     // Once O += P V of `use` has landed: hands V's buffer back to the producer; pa is free again.
-    auto finish_output_of = [&](int use) {
+    auto finish_output_of = [&](unsigned use) {
         fence_operands(o, pa);
         sh.v_ring.release(use);
     };
     // Writes out row `r`, whose Q was use `q_use`, once its last O += P V has landed (STAGE_OUT: through its Q
     // buffer, which return_q then hands back).
-    auto write_out = [&](const Row& r, int q_use) {
+    auto write_out = [&](const Row& r, unsigned q_use) {
         if (SPLIT_ROWS && r.part >= 0) {  // the combine pass writes the row
             store_part(p, sm, o, r.part, rows, lane);
             return;
@@ -154,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             finish_rows(p, sm, o, r.b, r.h, r.q0 + rows, lane);
         }
     };
-    auto return_q = [&](int q_use) {
+    auto return_q = [&](unsigned q_use) {
         if (STAGE_OUT && threadIdx.x % 128 == 0) {
             bulk_wait_read();
             sh.q_ring.release(q_use);
@@ -166,7 +168,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     // The consumers take turns to issue (round the ring), consumer 0 first: the last consumer passes a turn
     // before its first and not after its last, so every wait meets exactly one arrival.
     Row last{};
-    int rows_done = 0, uses = 0;
+    unsigned rows_done = 0, uses = 0;
     for (Walk walk(p); !walk.done();) {
         const Row row = walk.take(p);
         const int b = row.b, h = row.h, count = row.end - row.begin;
@@ -178,11 +180,14 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             finish_rows(p, none, zeros, b, h, row.q0 + rows, lane);
             continue;
         }
+        // The row's entries. The last step's read ahead takes the one past them, unused (the tables hold one past
+        // the last row's).
+        const int2* entries = p.entries + row.begin;
         // Mods, masks (with `masked`: entry e may be a partial tile) and exponentiates S_i once it has landed;
         // with `behind`, one product issued after S_i (groups complete in order) may still run. `ready`: the
         // tile's mask, worked out before (step 0).
         auto softmax_of = [&](int i, int2 e, bool behind, bool masked, const TileMask<TILE_N>* ready = nullptr) {
-            if (!SPLIT_STEPS) e = p.entries[row.begin + i];  // one copy: see step
+            if (!SPLIT_STEPS) e = entries[i];  // one copy: see step
             const int k0 = e.x * TILE_N;
             // The partial tile's loads and bits are worked out while the tensor cores run.
             const TileMask<TILE_N> mask =
@@ -212,7 +217,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             OnlineSoftmax::rescale(o, alpha);
             to_a_fragments<TILE_N>(sc, pa);
         };
-        auto entry = [&](int i) { return i < count ? p.entries[row.begin + i] : make_int2(0, -1); };
+        auto entry = [&](int i) { return entries[i]; };
         // Step 0's entry and mask, and the next entry. With SPLIT_STEPS (head dim 128) they are loaded before the
         // last row goes out, whose stores would hold them back (ncu, local1024: waits on these loads at each
         // row's start). Against loading them after (H100 forward, two runs of 3 rounds): local1024 and strided8

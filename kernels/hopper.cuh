@@ -80,7 +80,8 @@ struct Barrier {
 
 // A ring of DEPTH shared buffers that one producer thread fills by TMA and the consumer warpgroups drain, use
 // i going to buffer i % DEPTH. Each buffer has a barrier that completes when its copies have landed (full)
-// and one that completes when every consumer thread has released it (empty).
+// and one that completes when every consumer thread has released it (empty). Uses are unsigned: % and / by
+// DEPTH then take no sign fix-ups, a few uniform instructions at every wait of a step.
 template <int DEPTH>
 struct Ring {
     Barrier full[DEPTH], empty[DEPTH];
@@ -93,13 +94,13 @@ struct Ring {
     }
     // The producer: waits until use i - DEPTH has been released, announces use i's bytes and returns the
     // barrier its copies complete on. The first DEPTH uses do not wait (parity 1 of a fresh barrier).
-    __device__ __forceinline__ Barrier& fill(int i, unsigned bytes) {
+    __device__ __forceinline__ Barrier& fill(unsigned i, unsigned bytes) {
         empty[i % DEPTH].wait(((i / DEPTH) & 1) ^ 1);
         full[i % DEPTH].expect_bytes(bytes);
         return full[i % DEPTH];
     }
-    __device__ __forceinline__ void wait(int i) { full[i % DEPTH].wait((i / DEPTH) & 1); }
-    __device__ __forceinline__ void release(int i) { empty[i % DEPTH].arrive(); }
+    __device__ __forceinline__ void wait(unsigned i) { full[i % DEPTH].wait((i / DEPTH) & 1); }
+    __device__ __forceinline__ void release(unsigned i) { empty[i % DEPTH].arrive(); }
 };
 
 // The kernel's shared struct at the first 1024-byte boundary of dynamic shared memory, which is only
@@ -171,14 +172,15 @@ template <int ROWS, int K_DEPTH, int V_DEPTH, bool K_AHEAD = false>
 __device__ __forceinline__ void stream_kv(const Params& p, Span span, int hk, int b, elem_t (*k)[ROWS * HEAD_DIM],
                                           elem_t (*v)[ROWS * HEAD_DIM], const TensorMap& k_map,
                                           const TensorMap& v_map, Ring<K_DEPTH>& k_ring, Ring<V_DEPTH>& v_ring,
-                                          int first) {
+                                          unsigned first) {
     constexpr unsigned BYTES = ROWS * HEAD_DIM * sizeof(elem_t);
     auto load_v = [&](int i) {
-        const int use = first + i;
+        const unsigned use = first + i;
         tma_load_tile(v[use % V_DEPTH], v_map, v_ring.fill(use, BYTES), p.entries[span.begin + i].x * ROWS, hk, b);
     };
     for (int i = 0; i < span.count; ++i) {
-        const int k0 = p.entries[span.begin + i].x * ROWS, use = first + i;
+        const int k0 = p.entries[span.begin + i].x * ROWS;
+        const unsigned use = first + i;
         tma_load_tile(k[use % K_DEPTH], k_map, k_ring.fill(use, BYTES), k0, hk, b);
         if (!K_AHEAD) {
             load_v(i);

@@ -140,6 +140,15 @@ def test_forward_packs_every_field(launches):
     assert args[0].tobytes() == fieldwise(tables, None, 0.125, q=q, k=k, v=v, out=out, lse=lse)
 
 
+def test_device_tables_hold_one_entry_past_the_last_rows(launches):
+    # The Hopper forward reads each row's next entry without a bound check.
+    layout = patterns.causal(block=64).layout(300)
+    tables = cuda.device_tables(layout, 128, 128, 0)
+    entries = tables.arrays["entries"].host
+    assert np.array_equal(entries[:-1], tables.plan.entries) and entries[-1].tolist() == [0, -1]
+    assert np.array_equal(tables.arrays["row_ptr"].host, tables.plan.row_ptr)
+
+
 def test_backward_packs_both_passes_and_a_score_mod(launches):
     seq, dim = 200, 128
     q, dout, out, dq = (Holder((1, 4, seq, dim), address=0x1000 * (i + 1), pad=8 * i) for i in range(4))
