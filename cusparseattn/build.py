@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import env
-from .layout import narrowable
+from .layout import key_band, narrowable
 
 log = logging.getLogger("cusparseattn")
 
@@ -492,11 +492,16 @@ def _wgmma_functions(ns: list[int], types: str) -> list[str]:
 
 
 def _rule_defines(expr: str) -> list[str]:
+    band = key_band(expr)
+    first, last = band or (None, None)
     return [
         f"#define RULE_NARROWABLE {int(narrowable(expr))}",
         *(f"#define P{i} (static_cast<RuleInt>(p.rule_p[{i}]))" for i in range(8)),
         *(f"#define A{i} (p.rule_a[{i}])" for i in range(4)),
         f"#define CSA_RULE(b, h, q, k) ({expr})",
+        f"#define RULE_BAND {int(band is not None)}",
+        *([f"#define CSA_RULE_FIRST(b, h, q) ({first})"] if first else []),
+        *([f"#define CSA_RULE_LAST(b, h, q) ({last})"] if last else []),
     ]
 
 

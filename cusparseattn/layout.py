@@ -41,6 +41,132 @@ def narrowable(expr: str) -> bool:
     return not unknown and "".join(tokens) == re.sub(r"\s+", "", expr)
 
 
+_COMPARISONS = {"<=", "<", ">=", ">", "=="}
+_FLIPPED = {"<=": ">=", "<": ">", ">=": "<=", ">": "<", "==": "=="}
+
+
+def key_band(expr: str) -> tuple[str | None, str | None] | None:
+    """The keys a rule's C expression lets each query see, where they are one run: ``(first, last)``, C
+    expressions over ``b, h, q`` and its parameters for the first and last key that query ``q`` attends
+    (``None`` where the rule sets no bound on that side), exactly ``first <= k <= last``; None for other
+    rules. It knows conjunctions (``&&``) of comparisons of sums, `k` in one term, as causal and sliding
+    windows write them: the Hopper forward then masks a partial tile's row from two numbers.
+
+    >>> key_band("q + P0 - k >= 0 && q + P0 - k < P1")
+    ('q + P0 - P1 + 1', 'q + P0')
+    >>> key_band("k <= q || k < P0") is None
+    True
+    """
+    tokens = _NARROW_TOKENS.findall(expr)
+    if "".join(tokens) != re.sub(r"\s+", "", expr):
+        return None
+    firsts, lasts = [], []
+    for conjunct in _conjuncts(tokens):
+        bound = _key_bound(conjunct)
+        if bound is None:
+            return None
+        first, last = bound
+        firsts += [first] if first else []
+        lasts += [last] if last else []
+    if not firsts and not lasts:
+        return None
+
+    def tightest(bounds: list[str], pick: str) -> str | None:
+        return functools.reduce(lambda a, b: f"{pick}({a}, {b})", bounds) if bounds else None
+
+    return tightest(firsts, "max"), tightest(lasts, "min")
+
+
+def _conjuncts(tokens: list[str]) -> list[list[str]]:
+    parts = _split_top(_strip_parens(tokens), {"&&"})
+    if len(parts) == 1:
+        return [_strip_parens(tokens)]
+    return [c for part in parts[::2] for c in _conjuncts(part)]
+
+
+def _strip_parens(tokens: list[str]) -> list[str]:
+    while len(tokens) >= 2 and tokens[0] == "(" and _closing(tokens, 0) == len(tokens) - 1:
+        tokens = tokens[1:-1]
+    return tokens
+
+
+def _closing(tokens: list[str], start: int) -> int:
+    depth = 0
+    for i in range(start, len(tokens)):
+        depth += {"(": 1, ")": -1}.get(tokens[i], 0)
+        if depth == 0:
+            return i
+    return -1
+
+
+def _split_top(tokens: list[str], separators: set[str]) -> list[list[str]]:
+    """`tokens` split at the separators outside parentheses, each separator a part of its own between."""
+    parts, depth, start = [], 0, 0
+    for i, t in enumerate(tokens):
+        depth += {"(": 1, ")": -1}.get(t, 0)
+        if depth == 0 and t in separators:
+            parts += [tokens[start:i], [t]]
+            start = i + 1
+    return parts + [tokens[start:]]
+
+
+def _key_bound(tokens: list[str]) -> tuple[str | None, str | None] | None:
+    """A comparison ``L op R`` of sums whose `k` terms add up to +-k as (first, last), else None."""
+    parts = _split_top(tokens, _COMPARISONS)
+    if len(parts) != 3:
+        return None
+    left, (op,), right = parts
+    terms = (_sum_terms(left, 1), _sum_terms(right, -1))
+    if None in terms:
+        return None
+    terms = terms[0] + terms[1]  # L - R
+    c = sum(sign for sign, atom in terms if atom == "k")
+    if c not in (1, -1):
+        return None
+    # c k + F op 0: k op -F, or k flipped(op) F.
+    rest = [(sign * -c, atom) for sign, atom in terms if atom != "k"]
+    op = op if c == 1 else _FLIPPED[op]
+    shift = {"<=": 0, "<": -1, ">=": 0, ">": 1, "==": 0}[op]
+    bound = _format_sum(rest, shift)
+    return (bound if op in (">=", ">", "==") else None), (bound if op in ("<=", "<", "==") else None)
+
+
+def _sum_terms(tokens: list[str], sign: int) -> list[tuple[int, str]] | None:
+    """The signed atoms (names, parameters, literals) of a sum with parentheses, else None."""
+    terms, i, current = [], 0, sign
+    expect_atom = True
+    while i < len(tokens):
+        t = tokens[i]
+        if expect_atom and t in ("+", "-"):
+            current = -current if t == "-" else current
+        elif expect_atom and t == "(":
+            end = _closing(tokens, i)
+            inner = _sum_terms(tokens[i + 1 : end], current) if end > 0 else None
+            if inner is None:
+                return None
+            terms += inner
+            i, expect_atom = end, False
+        elif expect_atom and (t.isdigit() or re.fullmatch(r"[bhqk]|P[0-7]", t)):
+            terms.append((current, t))
+            expect_atom = False
+        elif not expect_atom and t in ("+", "-"):
+            current, expect_atom = (sign if t == "+" else -sign), True
+        else:
+            return None
+        i += 1
+    return None if expect_atom else terms
+
+
+def _format_sum(terms: list[tuple[int, str]], constant: int) -> str:
+    constant += sum(sign * int(atom) for sign, atom in terms if atom.isdigit())
+    names = [(sign, atom) for sign, atom in terms if not atom.isdigit()]
+    names += [(1 if constant > 0 else -1, str(abs(constant)))] if constant else []
+    if not names:
+        return "0"
+    text = " ".join(f"{'-' if sign < 0 else '+'} {atom}" for sign, atom in names)
+    return text[2:] if text.startswith("+ ") else "-" + text[2:]
+
+
 @dataclass(frozen=True, eq=False)
 class TokenRule:
     """A token-level attention rule, vectorised: ``fn(b, h, q, k) -> bool array``.
@@ -78,11 +204,13 @@ class TokenRule:
     def narrow(self, positions: int) -> bool:
         """Whether `kernel_expr` stays exact in 32-bit integers (the kernels then use them: half the
         instructions) for positions below `positions`: it is `narrowable`, and as many terms as it names, each
-        at most the largest position, parameter, literal or array value, add up to less than 2^31."""
+        at most the largest position, parameter, literal or array value, add up to less than 2^31 (two more
+        where it is a band, `key_band`: the kernels subtract a tile's first key from its bounds and add 1)."""
         expr = self.kernel_expr
         if expr is None or not narrowable(expr):
             return False
         terms = [t for t in _NARROW_TOKENS.findall(expr) if t[0].isalnum()]
+        terms += ["k0", "1"] if key_band(expr) else []
         largest = max(
             [positions, *(abs(int(x)) for x in self.params)]
             + [int(t) for t in terms if t.isdigit()]

@@ -29,6 +29,20 @@ def test_rule_values_stay_out_of_the_source():
     assert '#include "' not in spec.source()  # the header is inlined: the source text is the whole cache key
 
 
+def test_a_band_rule_defines_its_bounds():
+    """A rule that is one run of keys a query (layout.key_band) gives its bounds, which the Hopper forward
+    masks a row of a partial tile by; any other rule says it has none."""
+    two_sided = "q - k < P0 && q - k > -P0"
+    source = build.KernelSpec.make("forward_sm90", "bfloat16", 64, "expr", two_sided).source()
+    assert "#define RULE_BAND 1" in source
+    assert "#define CSA_RULE_FIRST(b, h, q) (q - P0 + 1)" in source
+    assert "#define CSA_RULE_LAST(b, h, q) (q + P0 - 1)" in source
+    causal = build.KernelSpec.make("forward_sm90", "bfloat16", 64, "expr", "k <= q + P0").source()
+    assert "#define CSA_RULE_LAST(b, h, q) (q + P0)" in causal and "#define CSA_RULE_FIRST" not in causal
+    other = build.KernelSpec.make("forward_sm90", "bfloat16", 64, "expr", "k <= q || k < P0").source()
+    assert "#define RULE_BAND 0" in other and "#define CSA_RULE_LAST" not in other
+
+
 def test_params_struct_matches_the_header():
     """Every field of the NumPy mirror appears in kernels/common.cuh's Params, in the same order."""
     from cusparseattn import env

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_patterns import CC, needs_cc, run_c
+from test_patterns import CC, band_expr, needs_cc, run_c
 
 from cusparseattn import patterns
-from cusparseattn.layout import BlockLayout, TokenRule
+from cusparseattn.layout import BlockLayout, TokenRule, key_band
 
 BLOCKS = st.sampled_from([16, 32, 64])
 
@@ -486,6 +486,79 @@ def test_from_deepspeed():
         BlockLayout.from_deepspeed(layout[0], 16, 64)
     with pytest.raises(ValueError, match="expected"):
         BlockLayout.from_deepspeed(layout, 16, 100)
+
+
+def test_key_band_solves_sums_and_comparisons_for_k():
+    """layout.key_band: conjunctions of comparisons of sums, k in one term (+k or -k in all), as first and
+    last keys; anything else (or, products, array elements, no k, 2k) has none."""
+    assert key_band("k <= q + P0") == (None, "q + P0")
+    assert key_band("q + P0 - k >= 0 && q + P0 - k < P1") == ("q + P0 - P1 + 1", "q + P0")
+    assert key_band("q - k < P0 && q - k > -P0") == ("q - P0 + 1", "q + P0 - 1")
+    assert key_band("((q >= k) && ((q - k) < P0))") == ("q - P0 + 1", "q")
+    assert key_band("-(k - q) >= -5 && k - 2 > h") == ("h + 3", "q + 5")
+    assert key_band("k == q && k <= P1 && k < q") == ("q", "min(min(q, P1), q - 1)")
+    for expr in (
+        "k <= q || k < P0",
+        "A0[q] == A0[k]",
+        "q * 2 <= k",
+        "k + k <= q",
+        "q / P0 <= k",
+        "true",
+        "q >= P0 && k <= q",
+        "(k <= q) == 1",
+        "k <= q < 3",
+        "k <= 1ll",
+        "k <= q &&",
+        "k <= P8",
+    ):
+        assert key_band(expr) is None, expr
+
+
+def _sums():
+    """C sums of signed names and literals, nested in parentheses, each with its coefficient of k."""
+
+    def signed(sign, term):
+        return sign + term[0], -term[1] if sign == "-" else term[1]
+
+    def joined(first, rest):
+        text, coefficient = first
+        for op, (t, c) in rest:
+            text, coefficient = f"{text} {op} {t}", coefficient + (c if op == "+" else -c)
+        return text, coefficient
+
+    def sums_of(terms):
+        return st.builds(joined, terms, st.lists(st.tuples(st.sampled_from("+-"), terms), max_size=2))
+
+    atoms = st.sampled_from(["q", "k", "P0", "P1", "b", "h", "3", "0"]).map(lambda a: (a, int(a == "k")))
+    signs = st.sampled_from(["", "-"])
+    terms = st.recursive(
+        st.builds(signed, signs, atoms),
+        lambda inner: st.builds(signed, signs, sums_of(inner).map(lambda s: (f"({s[0]})", s[1]))),
+        max_leaves=6,
+    )
+    return sums_of(terms)
+
+
+@needs_cc
+@settings(max_examples=60, deadline=None)
+@given(
+    conjuncts=st.lists(
+        st.tuples(_sums(), st.sampled_from(["<=", "<", ">=", ">", "=="]), _sums()), min_size=1, max_size=3
+    ),
+    params=st.tuples(st.integers(-6, 6), st.integers(-6, 6)),
+)
+def test_key_band_is_the_rule(conjuncts, params, tmp_path_factory):
+    """Random conjunctions of comparisons of sums: a band exactly where every comparison has k with
+    coefficient +-1, and then the same truth as the rule at every (b, h, q, k), in C."""
+    expr = " && ".join(f"{left} {op} {right}" for (left, _), op, (right, _) in conjuncts)
+    print(expr, params)
+    band = key_band(expr)
+    assert (band is not None) == all(abs(cl - cr) == 1 for (_, cl), _, (_, cr) in conjuncts)
+    if band is not None:
+        rule = TokenRule("r", lambda b, h, q, k: q == q, c_expr=expr, params=params)
+        tmp = tmp_path_factory.mktemp("band")
+        same = run_c(rule, 2, 2, 12, 12, tmp, expr=f"({band_expr(band)}) == ({expr})")
+        assert same.all()
 
 
 # ---- speed -------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cusparseattn import patterns
-from cusparseattn.layout import BlockLayout, TokenRule
+from cusparseattn.layout import BlockLayout, TokenRule, key_band
 
 BLOCKS = st.sampled_from([16, 32, 64])
 LENGTHS = st.integers(1, 300)
@@ -66,6 +66,7 @@ def run_c(rule: TokenRule, batch: int, heads: int, sq: int, sk: int, tmp_path, e
     """Evaluate ``rule.c_expr`` (or `expr`, over the rule's parameters) with the C compiler over every
     in-range (b, h, q, k)."""
     lines = ["#include <stdbool.h>", "#include <stdio.h>"]
+    lines += ["#define min(a, b) ((a) < (b) ? (a) : (b))", "#define max(a, b) ((a) > (b) ? (a) : (b))"]
     lines += [f"#define P{i} ({int(v)}LL)" for i, v in enumerate(rule.params)]
     for i, arr in enumerate(rule.arrays):
         lines.append(f"static const int A{i}[{arr.size}] = {{{', '.join(map(str, arr.tolist()))}}};")
@@ -658,6 +659,16 @@ def test_c_expr_matches_rule(pat, sq, sk, tmp_path):
         assert np.array_equal(want, lay.to_dense(batch, heads))
     if rule.c_partial is not None:
         assert_kernel_expr_holds(lay, batch, heads, tmp_path)
+    band = key_band(rule.kernel_expr)
+    if band is not None:
+        same = f"({band_expr(band)}) == ({rule.kernel_expr})"
+        assert run_c(rule, batch, heads, sq, sk, tmp_path, expr=same).all()
+
+
+def band_expr(band) -> str:
+    """A key band (layout.key_band) as the C expression it stands for."""
+    first, last = band
+    return " && ".join([f"({first}) <= k"] * (first is not None) + [f"k <= ({last})"] * (last is not None))
 
 
 def assert_kernel_expr_holds(lay, batch, heads, tmp_path):
