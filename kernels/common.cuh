@@ -368,14 +368,20 @@ __device__ __forceinline__ void store_rows(const float (&acc)[DW / 8][4], const 
     }
 }
 
-// ---- reductions over the four threads of a quad (one row of an MMA accumulator) -------------------------
-__device__ __forceinline__ float quad_max(float x) {
-    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+// ---- reductions over lanes ---------------------------------------------------------------------------------
+// Over each LANES consecutive lanes (a power of two), the result in every one of them: a quad (4) holds one row
+// of an MMA accumulator, a warp (32) the combine pass's parts of a row.
+template <int LANES>
+__device__ __forceinline__ float lanes_max(float x) {
+#pragma unroll
+    for (int i = 1; i < LANES; i *= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, i));
+    return x;
 }
-__device__ __forceinline__ float quad_sum(float x) {
-    x += __shfl_xor_sync(0xffffffffu, x, 1);
-    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+template <int LANES>
+__device__ __forceinline__ float lanes_sum(float x) {
+#pragma unroll
+    for (int i = 1; i < LANES; i *= 2) x += __shfl_xor_sync(0xffffffffu, x, i);
+    return x;
 }
 
 // ---- the forward's online softmax ---------------------------------------------------------------------
@@ -405,7 +411,7 @@ struct OnlineSoftmax {
                 const float pair = fmaxf(s[n][2 * r], s[n][2 * r + 1]);
                 mx = fmaxf(mx, scaled_max ? pair * scale_log2 : pair);
             }
-            mx = scaled_max ? quad_max(mx) : fmaxf(m[r], quad_max(mx) * scale_log2);
+            mx = scaled_max ? lanes_max<4>(mx) : fmaxf(m[r], lanes_max<4>(mx) * scale_log2);
             // A row with nothing visible so far keeps max -inf; subtract 0 instead, never -inf - -inf.
             float base = mx == -INFINITY ? 0.f : mx;
             alpha[r] = exp2f(m[r] - base);
@@ -451,7 +457,7 @@ __device__ __forceinline__ void finish_lse(const Params& p, const OnlineSoftmax&
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const float l = quad_sum(sm.l[r]);
+        const float l = lanes_sum<4>(sm.l[r]);
         inv[r] = l > 0.f ? 1.f / l : 0.f;
         const int q = row0 + g + 8 * r;
         if (t == 0 && q < p.seq_q) p.lse[b * p.lse_sb + h * p.lse_sh + q] = lse_of(sm.m[r], l);
@@ -467,7 +473,7 @@ __device__ __forceinline__ void store_part(const Params& p, const OnlineSoftmax&
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const float l = quad_sum(sm.l[r]), inv = l > 0.f ? 1.f / l : 0.f;
+        const float l = lanes_sum<4>(sm.l[r]), inv = l > 0.f ? 1.f / l : 0.f;
         const int row = row0 + g + 8 * r;
         if (t == 0) slot[row] = lse_of(sm.m[r], l);
         float* out = slot + TILE_M + row * HEAD_DIM + 2 * t;
@@ -843,7 +849,7 @@ __device__ __forceinline__ void row_stats(const Params& p, int b, int h, int row
             }
         }
     }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum = lanes_sum<2>(sum);
     const float lse = q < p.seq_q ? p.lse[b * p.lse_sb + h * p.lse_sh + q] : -INFINITY;
     const float l2 = lse == -INFINITY ? INFINITY : lse * LOG2E;
     if (q < p.stats_sr) stat_row(p, b, h, (lane & 1) ? STAT_LSE2 : STAT_DELTA)[q] = (lane & 1) ? l2 : sum;

@@ -9,17 +9,6 @@ using namespace csa;
 
 static_assert(HEAD_DIM == HEAD_DIM_REAL, "the Hopper forward takes whole 64-element panels");
 
-__device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-    for (int i = 16; i > 0; i /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, i));
-    return x;
-}
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-    for (int i = 16; i > 0; i /= 2) x += __shfl_xor_sync(0xffffffffu, x, i);
-    return x;
-}
-
 extern "C" __global__ void __launch_bounds__(NWARPS * 32) csa_forward_combine(const __grid_constant__ Params p) {
     const int first = p.split_ptr[blockIdx.x], parts = p.split_ptr[blockIdx.x + 1] - first;
     const int* row0 = p.parts + 5 * first;  // every part of the row has its b, h and first query
@@ -29,10 +18,10 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) csa_forward_combine(co
     const float* slots = p.stats + (long long)first * PART_SLOT;
     const float lse0 = lane < parts ? slots[lane * PART_SLOT + r] : -INFINITY;
     const float lse1 = lane + 32 < parts ? slots[(lane + 32) * PART_SLOT + r] : -INFINITY;
-    const float most = warp_max(fmaxf(lse0, lse1));
+    const float most = lanes_max<32>(fmaxf(lse0, lse1));
     float lse = -INFINITY, w0 = 0.f, w1 = 0.f;
     if (most > -INFINITY) {  // a row with a visible key in some part
-        lse = most + logf(warp_sum(expf(lse0 - most) + expf(lse1 - most)));
+        lse = most + logf(lanes_sum<32>(expf(lse0 - most) + expf(lse1 - most)));
         w0 = expf(lse0 - lse);
         w1 = expf(lse1 - lse);
     }
