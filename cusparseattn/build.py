@@ -202,6 +202,17 @@ def forward_scaled_max(head_dim: int, tiles: tuple[int, int, int]) -> bool:
     return head_dim == 64 and tiles[0] == 128
 
 
+def forward_lagging_max(head_dim: int, tiles: tuple[int, int, int]) -> bool:
+    """Whether the Hopper forward lets a row's max lag its scores by up to 2^8 (its LAGGING_MAX: common.cuh's
+    OnlineSoftmax, FlashAttention-4's rescale threshold), rescaling the output only where a row of the warp
+    moved it: on the 192-row tiles at head dim 64, where ptxas then waits for the running P V after the first
+    exponentials rather than right after the row max. H100 under ncu's fixed clocks, two runs: causal
+    S = 16384 x1.035 / x1.036, dense x1.027 / x1.029 (S = 16384) and x1.022 / x1.021 (S = 4096). Head dim 128
+    ran x0.99 to x1.02 and the 128-row tiles at 64 x0.96 to x0.98 (5 rounds): they keep the exact max, whose
+    row's largest probability rounds exactly (README: the error it costs)."""
+    return head_dim == 64 and tiles[0] > 128
+
+
 def descriptor_add64(kernel: str, tiles: tuple[int, int, int]) -> bool:
     """Whether a Hopper pass steps its wgmma descriptors with one 64-bit add (its DESC_ADD64), which ptxas
     issues as one uniform UIADD3.64, instead of adding to the low word and joining the high word back in
@@ -446,6 +457,8 @@ class KernelSpec:
                 lines.append(f"#define SPLIT_STEPS {int(split_steps)}")
                 scaled_max = forward_scaled_max(self.padded_head_dim, self.tiles)
                 lines.append(f"#define SCALED_MAX {int(scaled_max)}")
+                lagging = forward_lagging_max(self.padded_head_dim, self.tiles)
+                lines.append(f"#define LAGGING_MAX {int(lagging)}")
                 lines.append(f"#define SPLIT_ROWS {int(self.split_rows)}")
             types = {"float16": "f16.f16", "bfloat16": "bf16.bf16"}[self.dtype]
             lines += _wgmma_functions(sorted({tm, tn, self.padded_head_dim}), types)

@@ -400,7 +400,11 @@ struct OnlineSoftmax {
     // output to the new max. The row's max is that of its raw scores, scaled once (the kernels take a positive
     // scale: cuda.reasons), or with `scaled_max` the max of scores scaled a pair at a time: TILE_N / 4 more
     // FMULs, which the Hopper forward's narrow tiles at head dim 64 ran faster with (build.forward_scaled_max).
-    template <bool scaled_max = false>
+    // With `lagging`, a row keeps its max until a tile's passes it by more than 2^MAX_LAG (FlashAttention-4's
+    // rescale threshold): alpha is then exactly 1, so that most steps rescale nothing, and the probabilities
+    // reach 2^MAX_LAG, which float32 sums and bf16 / fp16 hold to the same relative precision.
+    static constexpr float MAX_LAG = 8.f;
+    template <bool scaled_max = false, bool lagging = false>
     __device__ __forceinline__ void step(float (&s)[TILE_N / 8][4], float scale, float (&alpha)[2]) {
         const float scale_log2 = scale * LOG2E;
 #pragma unroll
@@ -412,6 +416,8 @@ struct OnlineSoftmax {
                 mx = fmaxf(mx, scaled_max ? pair * scale_log2 : pair);
             }
             mx = scaled_max ? lanes_max<4>(mx) : fmaxf(m[r], lanes_max<4>(mx) * scale_log2);
+            // While m is -inf the difference is inf or NaN, never <= MAX_LAG: a row's first visible keys set it.
+            if (lagging && mx - m[r] <= MAX_LAG) mx = m[r];
             // A row with nothing visible so far keeps max -inf; subtract 0 instead, never -inf - -inf.
             float base = mx == -INFINITY ? 0.f : mx;
             alpha[r] = exp2f(m[r] - base);

@@ -198,7 +198,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             if (!STAGE_OUT && i == count - 1) sh.q_ring.release(rows_done);  // the row's last use of Q
             apply_score_mod<false, TILE_N>(p, sc, b, h, TilePos<false>(p, row.q0, k0, rows, lane));
             mask.hide(p, sc, b, h, row.q0, k0, rows, lane);
-            sm.step<SCALED_MAX>(sc, softmax_scale(p), alpha);
+            sm.step<SCALED_MAX, LAGGING_MAX>(sc, softmax_scale(p), alpha);
         };
         // Step i >= 1 over entry e. With SPLIT_STEPS (build.forward_split_steps), in two copies (each call
         // inlined with `masked` a constant): a full tile's has no mask, so no branch parts the wait for S from
@@ -214,7 +214,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             softmax_of(i, e, true, masked);
             wgmma_wait<0>();
             finish_output_of(uses + i - 1);
-            OnlineSoftmax::rescale(o, alpha);
+            // LAGGING_MAX (build.forward_lagging_max): where no row of the warp moved its max, alpha is 1.
+            if (!LAGGING_MAX || __any_sync(~0u, alpha[0] != 1.f || alpha[1] != 1.f)) OnlineSoftmax::rescale(o, alpha);
             to_a_fragments<TILE_N>(sc, pa);
         };
         auto entry = [&](int i) { return entries[i]; };

@@ -130,6 +130,8 @@ def test_the_hopper_forward_may_take_wide_tiles(head_dim, wide):
         assert f"#define DESC_ADD64 {int(three_consumers)}" in prelude
         # The row max of the raw scores, scaled once, but on the narrow tiles at head dim 64.
         assert f"#define SCALED_MAX {int(head_dim == 64 and tiles == narrow)}" in prelude
+        # A row's max lags its scores by up to 2^8 on the 192-row tiles alone.
+        assert f"#define LAGGING_MAX {int(three_consumers)}" in prelude
         assert build.shared_bytes("forward_sm90", head_dim, tiles) <= 227 * 1024  # an H100 holds it
 
 

@@ -164,6 +164,26 @@ def test_the_hopper_forward_takes_wide_tiles(kind, block, seq_q, seq_k, head_dim
     assert launched[1:] in ([], ["forward_combine"])  # split rows (test_the_hopper_forward_splits_...)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["dense", "causal"])
+def test_the_wide_hopper_forward_lets_a_row_max_lag(kind, dtype, monkeypatch):
+    """The 192-row tiles at head dim 64 keep a row's max until a tile's passes it by more than 2^8
+    (build.forward_lagging_max): keys scaled tile by tile so that the max rises by less than that and by
+    more, and falls, from one key tile to the next; probabilities up to 2^8, as close as the reference."""
+    from cusparseattn import cuda
+
+    launched = hopper_path(monkeypatch, True)
+    monkeypatch.setattr(cuda, "_wide_pays", lambda *args: True)
+    assert build.forward_lagging_max(64, build.WIDE_TILES["forward_sm90"][64])
+    rng = np.random.default_rng(["dense", "causal"].index(kind) * 2 + DTYPES.index(dtype))
+    q, k, v = random_qkv(rng, 2, 4, 2, 1000, 1000, 64, np_dtype(dtype))
+    gains = np.repeat([1.0, 1.3, 5.0, 5.5, 0.5, 12.0, 12.5, 3.0], 128)[:1000]
+    k = (k.astype(np.float32) * gains[:, None]).astype(k.dtype)
+    layout = layout_for(kind, rng, 2, 4, 1000, 1000, 64)
+    assert_matches(q, k, v, layout, dtype)
+    assert launched[0] == "forward_sm90" and list(cuda._tables[id(layout)]) == [(192, 128, 0)]
+
+
 @pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("rule", ["two_sided", "traced", "heads", "near"])
