@@ -32,13 +32,20 @@ _NARROW_TOKENS = re.compile(r"[A-Za-z_]\w*|\d+|&&|\|\||<<|>>|[<>=!]=|[-+/%<>!?:(
 _NARROW_NAME = re.compile(r"[bhqk]|P[0-7]|A[0-3]|true|false")
 
 
+def _tokens(expr: str) -> list[str] | None:
+    """`expr` as _NARROW_TOKENS's tokens; None where some of it is none of them."""
+    tokens = _NARROW_TOKENS.findall(expr)
+    return tokens if "".join(tokens) == re.sub(r"\s+", "", expr) else None
+
+
 def narrowable(expr: str) -> bool:
     """Whether a rule's C expression only adds, subtracts, divides and compares its names, parameters, array
     elements and literals (no products, shifts, casts or calls): then its value is bounded by its terms', and
     the kernels compile it for 32-bit integers as well (TokenRule.narrow decides at run time)."""
-    tokens = _NARROW_TOKENS.findall(expr)
-    unknown = [t for t in tokens if t in ("<<", ">>") or t.isidentifier() and not _NARROW_NAME.fullmatch(t)]
-    return not unknown and "".join(tokens) == re.sub(r"\s+", "", expr)
+    tokens = _tokens(expr)
+    return tokens is not None and not any(
+        t in ("<<", ">>") or t.isidentifier() and not _NARROW_NAME.fullmatch(t) for t in tokens
+    )
 
 
 _COMPARISONS = {"<=", "<", ">=", ">", "=="}
@@ -57,8 +64,8 @@ def key_band(expr: str) -> tuple[str | None, str | None] | None:
     >>> key_band("k <= q || k < P0") is None
     True
     """
-    tokens = _NARROW_TOKENS.findall(expr)
-    if "".join(tokens) != re.sub(r"\s+", "", expr):
+    tokens = _tokens(expr)
+    if tokens is None:
         return None
     firsts, lasts = [], []
     for conjunct in _conjuncts(tokens):
