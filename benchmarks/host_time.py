@@ -25,6 +25,7 @@ import bench  # noqa: E402  (the benchmark's layouts)
 # (module, attribute) of each stage, in call order; the first is the outermost.
 STAGES = [
     ("torch", "_signature"),
+    ("torch", "_Direct.__call__"),
     ("api", "_prepare"),
     ("backends", "select"),
     ("backends", "CudaBackend.not_supported_reasons"),

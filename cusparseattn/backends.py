@@ -48,8 +48,9 @@ import sys
 import threading
 import types
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -175,6 +176,19 @@ class Backend:
         return f"<backend {self.name!r}>"
 
 
+class Direct(NamedTuple):
+    """A prepared pass over raw device addresses, for a caller that makes the arrays itself (PyTorch's eager
+    calls: holding each array in a `Tensor` cost a forward+backward step at S = 4096 more host time than its
+    kernels took). ``launch(stream, addresses)`` runs it on a raw CUDA stream handle of GPU `device`, over
+    the addresses of the call's arrays (the forward's q, k, v; the backward's q, k, v, out, lse, dout), then
+    of those that `made` lists: ``(shape, dtype name)`` each, C-contiguous on that GPU, made by the caller
+    for this launch, the outputs first (out, lse; dq, dk, dv), then any scratch."""
+
+    device: int
+    made: tuple[tuple[tuple[int, ...], str], ...]
+    launch: Callable[[int, tuple[int, ...]], None]
+
+
 class PreparedForward:
     """A backend's forward made ready for one call signature (`Backend.prepare_forward`): ``run(inputs)``
     gives the ``(out, lse)`` holders for inputs of that signature (the same layout, scale and score mod;
@@ -184,6 +198,10 @@ class PreparedForward:
 
     def run(self, inputs: Inputs) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
+
+    def direct(self) -> Direct | None:
+        """The same forward over raw addresses (`Direct`), or None where it has none (the default)."""
+        return None
 
 
 class PreparedBackward:
@@ -200,10 +218,19 @@ class PreparedBackward:
     def run(self, inputs: Inputs) -> tuple[Tensor, Tensor, Tensor]:
         raise NotImplementedError
 
+    def direct(self, dout: Tensor) -> Direct | None:
+        """The same backward over raw addresses (`Direct`) for douts described as this one, which it accepts;
+        or None where it has none (the default)."""
+        return None
+
 
 class _CudaForward(PreparedForward):
     def __init__(self, launch):
         self._launch = launch
+
+    def direct(self):
+        launch = self._launch
+        return None if launch.made is None else Direct(launch.device, launch.made, launch.launch)
 
     def run(self, inputs):
         q = inputs.q
@@ -219,6 +246,10 @@ class _CudaBackward(PreparedBackward):
 
     def accepts(self, dout):
         return self._launch.accepts(dout)
+
+    def direct(self, dout):
+        launch = self._launch
+        return None if launch.made is None else Direct(launch.device, launch.made, launch.launcher(dout))
 
     def run(self, inputs):
         launch, q, k = self._launch, inputs.q, inputs.k

@@ -367,10 +367,15 @@ class _Pass:
 
 class _Bound:
     """A pass's launches over arrays described as `arrays` are (name -> holder, in `ARRAYS` order, any of
-    them): the parameters with every stride packed, and the TMA descriptors of the `rows` arrays (a Hopper
-    kernel's: tiles of ``rows[name]`` rows) by address. A launch then writes the arrays' addresses alone into
-    the kernel's argument buffer, which it keeps: a prepared call's host time is the budget, and building
-    the arguments anew cost more than the driver's launch on PyTorch's autograd thread."""
+    them): the parameters with every stride packed, and the geometry of the TMA descriptors of the `rows`
+    arrays (a Hopper kernel's: tiles of ``rows[name]`` rows). A launch's arguments (the parameters with the
+    arrays' addresses, then the descriptors) are built once per tuple of addresses and kept, up to `KEPT`,
+    all forgotten at once when one more comes: PyTorch's allocator hands the same few addresses back step
+    after step, so that a prepared call's launch is one lookup and the driver's call. A prepared call's host
+    time is the budget: writing the addresses and descriptors into the arguments at each launch made a
+    forward+backward step at S = 4096 wait on the host."""
+
+    KEPT = 64
 
     def __init__(self, launch: _Pass, arrays: dict, rows: dict):
         # The device arrays its parameters point to (not the pass, which keeps it: no cycle to collect).
@@ -381,26 +386,42 @@ class _Bound:
         for name, holder in arrays.items():
             field, ndim = _STRIDES[name]
             struct.pack_into(f"<{ndim}q", params, _offset(field), *holder.strides[:ndim])
+        self._params = bytes(params)
         # Params starts with the arrays' pointers in ARRAYS order: those not bound stay 0 (padding bytes).
         last = max(ARRAYS.index(name) for name in arrays)
         self._pointers = "<" + "".join("Q" if name in arrays else "8x" for name in ARRAYS[: last + 1])
         slots = {name: i for i, name in enumerate(arrays)}
-        self._maps = tuple((slots[name], tma.TileMaps(arrays[name], count)) for name, count in rows.items())
-        # The arguments (parameters, then descriptors) in one buffer, and the table of their addresses.
-        self._values = ctypes.create_string_buffer(bytes(params), len(params) + MAP_BYTES * len(rows))
-        base = ctypes.addressof(self._values)
-        self._map_at = [base + len(params) + MAP_BYTES * i for i in range(len(rows))]
-        self._table = (ctypes.c_void_p * (1 + len(rows)))(base, *self._map_at)
+        self._maps = tuple(
+            (slots[name], (tuple(arrays[name].shape), tuple(arrays[name].strides), arrays[name].dtype, count))
+            for name, count in rows.items()
+        )
         self._target = (launch.function.kernel.ptr, launch.grid, launch.block, launch.shared)
-        self._lock = threading.Lock()  # one launch at a time writes the buffer
+        self._arguments: dict[tuple, tuple] = {}
 
     def launch(self, stream: int, addresses: tuple) -> None:
         """Launches on `stream` (a raw handle) over arrays at these addresses (in the order bound)."""
-        with self._lock:
-            struct.pack_into(self._pointers, self._values, 0, *addresses)
-            for (slot, tile_map), at in zip(self._maps, self._map_at, strict=True):
-                ctypes.memmove(at, tile_map(addresses[slot]), MAP_BYTES)
-            _launch(*self._target, stream, self._table)
+        arguments = self._arguments.get(addresses)
+        if arguments is None:
+            arguments = self._arguments_at(addresses)
+        _launch(*self._target, stream, arguments[0])
+
+    def _arguments_at(self, addresses: tuple) -> tuple:
+        """(table of the arguments' addresses, the buffer it points into) for arrays at `addresses`, kept.
+        Each is made whole before it is kept and never written again: threads may launch at once."""
+        params = bytearray(self._params)
+        struct.pack_into(self._pointers, params, 0, *addresses)
+        maps = [tma.descriptor(addresses[slot], *geometry) for slot, geometry in self._maps]
+        values = ctypes.create_string_buffer(
+            bytes(params) + b"".join(maps), len(params) + MAP_BYTES * len(maps)
+        )
+        base = ctypes.addressof(values)
+        table = (ctypes.c_void_p * (1 + len(maps)))(
+            base, *(base + len(params) + MAP_BYTES * i for i in range(len(maps)))
+        )
+        if len(self._arguments) >= self.KEPT:
+            self._arguments.clear()
+        self._arguments[addresses] = arguments = (table, values)
+        return arguments
 
 
 def _launch(kernel: int, grid, block, shared: int, stream: int, table) -> None:
@@ -567,19 +588,32 @@ class Forward:
                 grid = (splits, edges[0] // edges[2], 1)
                 combine = _pass("forward_combine", grid, tables, None, scale, edges, work, q=q, k=k)
                 self.launches.append(combine.bind(arrays, {}))
+        # What a caller that makes the arrays itself makes for `launch`, C-contiguous: out, lse, the scratch
+        # (shape, dtype name each). None when out or lse were given: the launches are bound to theirs.
+        contiguous = out is None and lse is None
+        self.made = tuple((made[n].shape, made[n].dtype) for n in names[3:]) if contiguous else None
 
     def run(self, q, k, v, out, lse) -> None:
         """Writes `out` and `lse` on q's stream."""
-        import cupy
+        addresses = (q.data_ptr, k.data_ptr, v.data_ptr, out.data_ptr, lse.data_ptr)
+        if self.scratch is not None:
+            addresses += (_scratch(q, self.scratch).data_ptr,)
+        self.launch(q.stream, addresses)
 
-        with cupy.cuda.Device(self.device):
-            _bind(self.device)
-            addresses = (q.data_ptr, k.data_ptr, v.data_ptr, out.data_ptr, lse.data_ptr)
-            scratch = None if self.scratch is None else _scratch(q, self.scratch)
-            if scratch is not None:
-                addresses += (scratch.data_ptr,)
-            for launch in self.launches:
-                launch.launch(q.stream, addresses)
+    def launch(self, stream: int, addresses: tuple) -> None:
+        """Launches on `stream` (a raw handle) over arrays at these addresses: q, k, v, then those of
+        `made`."""
+        _run(self.device, self.launches, stream, addresses)
+
+
+def _run(device: int, launches, stream: int, addresses: tuple) -> None:
+    """Launches each `_Bound` in turn on `stream` over arrays at `addresses`, on `device`."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        _bind(device)
+        for launch in launches:
+            launch.launch(stream, addresses)
 
 
 def _scratch(like, shape: tuple):
@@ -670,6 +704,11 @@ class Backward:
         made |= {name: _Like(k.shape, k.dtype) for name in ("dk", "dv")}
         made |= {"lse": _Like(q.shape[:3], "float32"), "stats": _Like(self.stats_shape, "float32")}
         self._arrays = _bound_arrays(ARRAYS, dict(arrays, q=q, k=k, v=v), made)
+        # What a caller that makes the arrays itself makes for `launcher`, C-contiguous: dq, dk, dv, stats
+        # (shape, dtype name each). None when any was given: the passes are bound to theirs.
+        outputs = ("dq", "dk", "dv", "stats")
+        given = any(arrays.get(n) is not None for n in outputs)
+        self.made = None if given else tuple((made[n].shape, made[n].dtype) for n in outputs)
         # The tables' uploads, on the stream of the first launch that reads them (as the forward's).
         with cupy.cuda.Device(self.device), _stream(q.stream):
             _bind(self.device)
@@ -731,20 +770,23 @@ class Backward:
             return False
         return not tensor_reasons(("dout", dout)) and not (self.hopper and _tma_reasons("dout", dout))
 
-    def run(self, dout, q, k, v, out, lse, dq, dk, dv, stats) -> None:
-        """Writes `dq`, `dk`, `dv` and the scratch `stats` on dout's stream."""
-        import cupy
-
+    def passes(self, dout) -> tuple[_Bound, ...]:
+        """The passes bound to arrays described as the prepared ones and this `dout` (which it accepts)."""
         passes = self._bound.get(dout.strides)
         if passes is None:
             arrays = dict(self._arrays, dout=dout)
             passes = self._bound[dout.strides] = tuple(p.bind(arrays, rows) for p, rows in self._passes)
+        return passes
+
+    def launcher(self, dout):
+        """``launch(stream, addresses)``: the passes for douts described as this one (which it accepts) on a
+        raw stream handle, over arrays at these addresses: q, k, v, out, lse, dout, then those of `made`."""
+        return functools.partial(_run, self.device, self.passes(dout))
+
+    def run(self, dout, q, k, v, out, lse, dq, dk, dv, stats) -> None:
+        """Writes `dq`, `dk`, `dv` and the scratch `stats` on dout's stream."""
         addresses = tuple(a.data_ptr for a in (q, k, v, out, lse, dout, dq, dk, dv, stats))
-        stream = dout.stream
-        with cupy.cuda.Device(self.device):
-            _bind(self.device)
-            for launch in passes:
-                launch.launch(stream, addresses)
+        _run(self.device, self.passes(dout), dout.stream, addresses)
 
 
 def classify_blocks(

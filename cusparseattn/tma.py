@@ -72,25 +72,10 @@ def tile_map(holder, rows: int) -> np.void:
     return _tile_map(holder.data_ptr, tuple(holder.shape), tuple(holder.strides), holder.dtype, rows)
 
 
-class TileMaps:
-    """The descriptors, as bytes, of arrays laid out as `like` is (shape, strides, dtype) for tiles of `rows`
-    rows, by address: a prepared launch asks for one per array and call, and only the address changes. Up to
-    `KEPT` addresses are kept, all forgotten at once when one more comes (PyTorch's allocator hands the same
-    few back step after step, so that rarely happens)."""
-
-    KEPT = 64
-
-    def __init__(self, like, rows: int):
-        self._geometry = (tuple(like.shape), tuple(like.strides), like.dtype, rows)
-        self._by_address: dict[int, bytes] = {}
-
-    def __call__(self, data_ptr: int) -> bytes:
-        found = self._by_address.get(data_ptr)
-        if found is None:
-            if len(self._by_address) >= self.KEPT:
-                self._by_address.clear()
-            found = self._by_address[data_ptr] = _tile_map(data_ptr, *self._geometry).tobytes()
-        return found
+def descriptor(data_ptr: int, shape: tuple, strides: tuple, dtype: str, rows: int) -> bytes:
+    """The descriptor of a [B, H, S, D] array of this geometry at `data_ptr`, for tiles of `rows` rows, as the
+    bytes of a kernel argument."""
+    return _tile_map(data_ptr, shape, strides, dtype, rows).tobytes()
 
 
 @functools.lru_cache(maxsize=256)

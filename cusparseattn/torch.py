@@ -39,7 +39,7 @@ from typing import NoReturn
 import torch
 
 from . import api, backends, env
-from .arrays import FixedTensor, TorchTensor, torch_device, torch_dtype_name
+from .arrays import FixedTensor, TorchTensor, torch_current_stream, torch_device, torch_dtype_name
 from .layout import BlockLayout
 from .patterns import Pattern
 
@@ -292,18 +292,19 @@ def _eager(q, k, v, layout, causal, scale, backend, score_mod, recompute, backwa
     host time, which at S = 4096 exceeded the kernels' time."""
     key = _signature(q, k, v, layout, causal, scale, backend, score_mod, backward)
     call = None if key is None else _calls.get(key)
-    inputs = None if call is None else call.inputs(layout, q, k, v)
-    if inputs is None:
+    resolved = None if call is None else call.layout(layout)
+    inputs = None  # the holders, made here only for a call that validates
+    if resolved is None:
         for name, x in (("q", q), ("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(_not_a_tensor(name, f"{type(x).__module__}.{type(x).__qualname__}"))
         inputs, chosen = _checked(q, k, v, layout, causal, scale, score_mod, backend, backward)
-        call = _Call(inputs, chosen, backend, layout)
+        call, resolved = _Call(inputs, chosen, backend, layout), inputs.layout
         if key is not None:
             call.keep(key)
     if not backward:
-        return _outputs(call.forward(inputs))
-    return _Attention.apply(q, k, v, inputs, call, recompute)
+        return call.forward(q, k, v, resolved, inputs)
+    return _Attention.apply(q, k, v, call, resolved, inputs, recompute)
 
 
 _SCALES = (type(None), float, int)
@@ -337,9 +338,9 @@ _UNSET = object()
 
 class _Call:
     """What an eager call decided, for the calls that repeat its signature: the layout and scale it resolved,
-    the backend it chose and what that backend prepared (the forward now; the backward at the first forward
-    that autograd records). It holds its layouts weakly: kept calls must not keep layouts and their device
-    tables alive."""
+    the backend it chose and what that backend prepared (the forward now, with its `_Direct` launch where it
+    has one; the backward at the first forward that autograd records). It holds its layouts weakly: kept
+    calls must not keep layouts and their device tables alive."""
 
     def __init__(self, inputs: backends.Inputs, chosen: backends.Backend, backend, layout_arg):
         self.scale, self.score_mod = inputs.scale, inputs.score_mod
@@ -347,6 +348,7 @@ class _Call:
         self._layout = weakref.ref(inputs.layout)
         self._arg = None if layout_arg is None else weakref.ref(layout_arg)  # its id is in the key
         self._forward = chosen.prepare_forward(inputs)
+        self._direct = _Direct.of(None if self._forward is None else self._forward.direct())
         self._backward = _UNSET
         self._kinds = tuple(_kind(h) for h in (inputs.q, inputs.k, inputs.v))
 
@@ -357,14 +359,18 @@ class _Call:
                 del _calls[next(iter(_calls))]
         weakref.finalize(self._layout(), _calls.pop, key, None)
 
-    def inputs(self, layout_arg, q, k, v) -> backends.Inputs | None:
-        """This call's `Inputs` over other tensors of its signature; None when its layout argument was
-        another object of the same id or its layout is gone."""
+    def layout(self, layout_arg) -> BlockLayout | None:
+        """The layout this call resolved when `layout_arg` is the argument it was made for; None when it was
+        another object of the same id or the layout is gone."""
         layout = self._layout()
         if layout is None or (self._arg is None) != (layout_arg is None):
             return None
         if self._arg is not None and self._arg() is not layout_arg:
             return None
+        return layout
+
+    def inputs(self, q, k, v, layout: BlockLayout) -> backends.Inputs:
+        """This call's `Inputs` over other tensors of its signature."""
         # Described as this call's were: the signature says so.
         kq, kk, kv = self._kinds
         hq, hk, hv = (
@@ -374,38 +380,62 @@ class _Call:
         )
         return backends.Inputs(hq, hk, hv, layout, self.scale, score_mod=self.score_mod)
 
-    def forward(self, inputs: backends.Inputs):
-        if self._forward is None:
-            return self.chosen.forward(inputs)
-        return self._forward.run(inputs)
+    def forward(self, q, k, v, layout: BlockLayout, inputs=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of tensors of this call's signature: launched directly where the backend can, else
+        on `inputs` (the holders the call validated; made now if None)."""
+        if self._direct is not None:
+            out, lse, *_ = self._direct(q, k, v)  # and the scratch, if any
+            return out, lse
+        inputs = self.inputs(q, k, v, layout) if inputs is None else inputs
+        return _outputs(self.chosen.forward(inputs) if self._forward is None else self._forward.run(inputs))
 
-    def prepared_backward(self, inputs: backends.Inputs, held, outputs) -> _Prepared | None:
+    def prepared_backward(self, q, k, v, layout: BlockLayout, out, lse, inputs=None) -> _Prepared | None:
         if self._backward is _UNSET:
-            self._backward = _Prepared.make(inputs, held, outputs, self.backend)
+            inputs = self.inputs(q, k, v, layout) if inputs is None else inputs
+            self._backward = _Prepared.make(inputs, out, lse, self.backend)
         return self._backward
+
+
+class _Direct:
+    """A backend's `backends.Direct` launch on torch tensors: its arrays from PyTorch's allocator, the launch
+    on PyTorch's current stream of the GPU. Calling it with the call's tensors returns the arrays it made."""
+
+    def __init__(self, direct: backends.Direct):
+        self._device, self._index = torch.device("cuda", direct.device), direct.device
+        self._made = tuple((shape, getattr(torch, dtype)) for shape, dtype in direct.made)
+        self._launch = direct.launch
+
+    @classmethod
+    def of(cls, direct: backends.Direct | None) -> _Direct | None:
+        return None if direct is None else cls(direct)
+
+    def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        device = self._device
+        made = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._made]
+        self._launch(torch_current_stream(self._index), tuple(t.data_ptr() for t in (*tensors, *made)))
+        return made
 
 
 class _Attention(torch.autograd.Function):
     """Eager mode's autograd node (under ``torch.compile``, the operators' registered autograd)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, inputs, call, recompute):
-        held = call.forward(inputs)
-        out, lse = _outputs(held)
+    def forward(ctx, q, k, v, call, layout, inputs, recompute):
+        out, lse = call.forward(q, k, v, layout, inputs)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # lse has no gradient: no zero-filled tensor for it
         # The layout and score mod live as long as the graph that needs them.
-        ctx.layout, ctx.score_mod, ctx.scale = inputs.layout, inputs.score_mod, inputs.scale
+        ctx.layout, ctx.score_mod, ctx.scale = layout, call.score_mod, call.scale
         ctx.backend, ctx.recompute = call.backend, recompute
         ctx.save_for_backward(*((q, k, v) if recompute else (q, k, v, out, lse)))
-        ctx.prepared = None if recompute else call.prepared_backward(inputs, held, (out, lse))
+        ctx.prepared = None if recompute else call.prepared_backward(q, k, v, layout, out, lse, inputs)
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         if dout is None:  # an undefined gradient of out (torch.autograd.grad may pass one): no gradients
-            return None, None, None, None, None, None
+            return (None,) * 7
         dout = _last_contiguous(dout)
         q, k, v, *saved = ctx.saved_tensors
         grads = ctx.prepared and ctx.prepared.gradients(dout, (q, k, v, *saved), ctx)
@@ -414,7 +444,7 @@ class _Attention(torch.autograd.Function):
             if ctx.recompute:
                 saved = _outputs_of(q, k, v, *args)
             grads = _gradients(dout, q, k, v, *saved, *args)
-        return *grads, None, None, None
+        return *grads, None, None, None, None
 
 
 _SAVED = ("q", "k", "v", "out", "lse")
@@ -432,16 +462,13 @@ class _Prepared:
         self.prepared = prepared
         self.saved = _descriptions(h.native for h in holders)
         self._kinds = tuple(_kind(h) for h in holders)
-        self._dout = None  # (description, kind) of the last dout accepted
+        # The last dout accepted: (description, kind, its `_Direct` launch or None).
+        self._dout = None
 
     @classmethod
-    def make(cls, inputs: backends.Inputs, held, outputs, backend) -> _Prepared | None:
-        """For the forward's `inputs`, its results' holders `held` and the tensors `outputs` (out, lse) that
-        autograd saves."""
-        # The saved tensors are the holders' own unless making them contiguous copied them.
-        out, lse = (
-            h if h.native is t else TorchTensor(t, h.name) for h, t in zip(held, outputs, strict=True)
-        )
+    def make(cls, inputs: backends.Inputs, out, lse, backend) -> _Prepared | None:
+        """For the forward's `inputs` and its outputs `out`, `lse` (the tensors autograd saves)."""
+        out, lse = TorchTensor(out, "out"), TorchTensor(lse, "lse")
         # out stands in for dout, which will have its shape, dtype and device: `accepts` checks the rest.
         backward = backends.Inputs(
             inputs.q,
@@ -469,16 +496,18 @@ class _Prepared:
         # A backend's answer depends on dout's description alone (`PreparedBackward.accepts`).
         (described,) = _descriptions((dout,))
         accepted = self._dout
-        if accepted is not None and accepted[0] == described:
-            holder = TorchTensor.known(dout, "dout", *accepted[1])
-        else:
+        if accepted is None or accepted[0] != described:
             holder = TorchTensor(dout, "dout")
             if not self.prepared.accepts(holder):
                 return None
-            self._dout = (described, _kind(holder))
+            accepted = self._dout = (described, _kind(holder), _Direct.of(self.prepared.direct(holder)))
+        if accepted[2] is not None:
+            dq, dk, dv, *_ = accepted[2](*tensors, dout)  # and the scratch
+            return dq, dk, dv
         q, k, v, out, lse = (
             TorchTensor.known(t, n, *kind) for t, n, kind in zip(tensors, _SAVED, self._kinds, strict=True)
         )
+        holder = TorchTensor.known(dout, "dout", *accepted[1])
         inputs = backends.Inputs(
             q, k, v, ctx.layout, ctx.scale, score_mod=ctx.score_mod, dout=holder, out=out, lse=lse
         )

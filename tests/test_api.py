@@ -340,13 +340,13 @@ def spy_on_kernel(monkeypatch) -> dict:
     """Record the stream and device that the CUDA forward launches on."""
     from cusparseattn import cuda
 
-    launched, launch = {}, cuda.Forward.run
+    launched, run = {}, cuda._run
 
-    def spy(self, q, *args, **kwargs):
-        launched.update(stream=q.stream, device=q.device)
-        return launch(self, q, *args, **kwargs)
+    def spy(device, launches, stream, addresses):
+        launched.update(stream=stream, device=("cuda", device))
+        return run(device, launches, stream, addresses)
 
-    monkeypatch.setattr(cuda.Forward, "run", spy)
+    monkeypatch.setattr(cuda, "_run", spy)
     return launched
 
 

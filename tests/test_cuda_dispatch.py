@@ -532,3 +532,90 @@ def test_each_thread_makes_the_device_context_current_before_its_first_launch(la
     thread.join()
     _forward(64)
     assert sys.modules["cupy"].bound == [0, 0] and len(launches) == 3
+
+
+def _launched(launches) -> list:
+    """The launches recorded since the last clear, as (name, grid, argument bytes, TMA maps' geometry)."""
+    made = [(name, grid, [bytes(a) for a in args], maps) for name, grid, _, args, _, maps in launches]
+    launches.clear()
+    return made
+
+
+@pytest.mark.parametrize("hopper", [True, False])
+@pytest.mark.parametrize("sms", [132, 3])
+def test_direct_launches_over_addresses_are_what_runs_on_holders_launch(launches, monkeypatch, hopper, sms):
+    """A Forward and a Backward prepared without outputs list what a caller that makes the arrays itself
+    makes (`made`: outputs, then scratch, C-contiguous) and launch over raw addresses (`Forward.launch`,
+    `Backward.launcher`) exactly what `run` launches on holders at those addresses. On 3 SMs the Hopper
+    forward splits rows: its scratch is the third array made."""
+    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90 if hopper else 80)
+    monkeypatch.setattr(cuda, "sm_count", lambda device: sms)
+    seq, dim = (2176 if sms == 3 else 256), 128
+    layout = patterns.dense(block=128).layout(seq)
+    held = _arrays(seq, dim, 0x40000000)
+    for name in ("out", "dout", "dq", "dk", "dv", "lse", "stats"):  # C-contiguous, as the caller makes them
+        held[name] = Holder(held[name].shape, held[name].dtype, address=held[name].data_ptr)
+    q, k, v = held["q"], held["k"], held["v"]
+    forward = cuda.Forward(q, k, v, layout, 0.1)
+    backward = cuda.Backward(q, k, v, layout, 0.1)
+    split = hopper and sms == 3
+    scratch = ((3, 128, dim + 1), "float32") if split else None
+    assert forward.made == ((q.shape, "bfloat16"), ((2, 4, seq), "float32"), *([scratch] if split else []))
+    assert backward.made == (
+        (q.shape, "bfloat16"),
+        (k.shape, "bfloat16"),
+        (k.shape, "bfloat16"),
+        (cuda.stats_shape(q.shape, 0), "float32"),
+    )
+    forward.run(q, k, v, held["out"], held["lse"])
+    names = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "stats")
+    backward.run(*(held[n] for n in names))
+    on_holders = _launched(launches)
+    assert len(on_holders) == (2 if split else 1) + 2  # the dQ and dK/dV passes (the fixture's)
+    made = [q.made[0].data_ptr] if split else []  # the scratch that run made
+    forward.launch(0, tuple(held[n].data_ptr for n in ("q", "k", "v", "out", "lse")) + tuple(made))
+    addresses = tuple(
+        held[n].data_ptr for n in ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv", "stats")
+    )
+    backward.launcher(held["dout"])(0, addresses)
+    assert _launched(launches) == on_holders
+    # Given outputs bind the launches to theirs: nothing to make.
+    assert cuda.Forward(q, k, v, layout, 0.1, out=held["out"]).made is None
+    assert cuda.Backward(q, k, v, layout, 0.1, stats=held["stats"]).made is None
+
+
+@pytest.mark.parametrize("hopper", [True, False])
+def test_a_launch_builds_its_arguments_once_per_tuple_of_addresses(launches, monkeypatch, hopper):
+    """The arguments (parameters with the addresses, TMA descriptors) of a launch at addresses seen before are
+    the kept ones: no descriptor is encoded again. Past `_Bound.KEPT` tuples, all are forgotten."""
+    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90 if hopper else 80)
+    monkeypatch.setattr(cuda._Bound, "KEPT", 3)
+    encoded, encode = [], tma._tile_map
+
+    def counted(*args):
+        encoded.append(args[0])
+        return encode(*args)
+
+    monkeypatch.setattr(tma, "_tile_map", counted)
+    seq, dim = 256, 64
+    layout = patterns.causal(block=64).layout(seq)
+    held = _arrays(seq, dim, 0x40000000)
+    forward = cuda.Forward(held["q"], held["k"], held["v"], layout, 0.1)
+    maps = 4 if hopper else 0
+
+    def launch(base: int) -> bytes:
+        forward.launch(0, tuple(base + 0x100000 * i for i in range(5)))
+        ((_, _, args, _),) = _launched(launches)
+        assert np.frombuffer(args[0], build.PARAMS)[0]["q"] == base
+        return args[0]
+
+    first = launch(0x40000000)
+    for base, new in ((0x40000000, 0), (0x50000000, maps), (0x40000000, 0), (0x60000000, maps)):
+        before = len(encoded)
+        params = launch(base)
+        assert len(encoded) - before == new
+        assert (params == first) == (base == 0x40000000)
+    launch(0x70000000)  # a fourth tuple: the kept three go
+    before = len(encoded)
+    launch(0x40000000)
+    assert len(encoded) - before == maps

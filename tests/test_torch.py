@@ -565,14 +565,21 @@ def test_cuda_forward_and_backward_match_the_reference(case, dtype, cuda_only):
 @pytest.mark.parametrize("hook", [False, True])
 def test_cuda_backward_is_prepared_in_the_forward(cuda_only, monkeypatch, hook):
     """Eager training takes the backward that the forward prepared (unless a saved-tensor hook hands back
-    copies laid out anew): the same kernels, so the same bits as the functional backward."""
+    copies laid out anew), both passes launched directly on the tensors (`_Direct`): the same kernels, so
+    the same bits as the functional backward."""
     usual, backward = [], backends.CudaBackend.backward
+    direct, launch = [], ca_torch._Direct.__call__
 
     def record(self, inputs):
         usual.append(inputs)
         return backward(self, inputs)
 
+    def counted(self, *tensors):
+        direct.append(len(tensors))
+        return launch(self, *tensors)
+
     monkeypatch.setattr(backends.CudaBackend, "backward", record)
+    monkeypatch.setattr(ca_torch._Direct, "__call__", counted)
     rng = np.random.default_rng(7)
     host = random_qkv(rng, 2, 4, 2, 300, 300, 64, np_dtype("bfloat16"), layout="bshd")
     q, k, v = (to_device(x).requires_grad_() for x in host)
@@ -583,7 +590,7 @@ def test_cuda_backward_is_prepared_in_the_forward(cuda_only, monkeypatch, hook):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out, lse = ca_torch.attention(q, k, v, layout, return_lse=True)
     out.backward(dout)
-    assert len(usual) == hook
+    assert len(usual) == hook and direct == ([3] if hook else [3, 6])  # q, k, v; then out, lse, dout too
     with torch.no_grad():
         want = cusparseattn.attention_backward(dout, q, k, v, out, lse, layout)
     for t, w in zip((q, k, v), want, strict=True):
