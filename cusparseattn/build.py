@@ -105,11 +105,13 @@ KERNELS = tuple(TILES)
 # fitted on an H100 (bf16, B = 2, H = 16, forward). At 64 (against 128 rows): dense S = 16384 ran
 # x1.07-1.10, 192 rows in 1.38 times the time; where the query length pads to 192 rows (dense S = 4096:
 # x0.95) or a row visits more keys than it needs (local1024: x0.91-0.94), they lose; causal ran x1.02-1.06,
-# strided8 x0.97-1.02. At 128 (against 128 keys): dense S = 16384 x1.04-1.06, 192 keys in 1.44 times the
-# time; dense S = 4096 x1.01, causal S = 16384 x0.96-1.03, S = 4096 x0.90. Not with a score mod (it spills:
-# 160 registers a consumer of three, and beside 192 columns of scores at 128) nor with a layout's bit masks.
+# strided8 x0.97-1.02; 1.34 since a row's max lags on them (LAGGING_MAX, about x1.03 on these tiles alone),
+# which took causal S = 4096 onto them (x1.04 under ncu's fixed clocks) and strided8 S = 16384 (x1.01). At
+# 128 (against 128 keys): dense S = 16384 x1.04-1.06, 192 keys in 1.44 times the time; dense S = 4096
+# x1.01, causal S = 16384 x0.96-1.03, S = 4096 x0.90. Not with a score mod (it spills: 160 registers a
+# consumer of three, and beside 192 columns of scores at 128) nor with a layout's bit masks.
 WIDE_TILES = {"forward_sm90": {64: (192, 128, 16), 128: (128, 192, 12)}}
-WIDE_TILE_COST = {64: 1.38, 128: 1.44}
+WIDE_TILE_COST = {64: 1.34, 128: 1.44}
 # What a partial wide tile (one that crosses the layout's blocks, or its rule) costs more than a full one,
 # in full tiles: fitted on the same H100 runs with every layout on wide tiles (dense, causal, local1024,
 # strided8 at S = 4096 and 16384). At 64: 0.1-0.3. At 128: 0.7-1.3 (local1024 ran x0.62-0.69 and strided8

@@ -308,9 +308,12 @@ def test_a_hopper_forward_that_splits_rows_points_them_at_a_scratch_and_combines
         (patterns.dense(block=128), 16384, 64, True),
         (patterns.dense(block=128), 4096, 64, True),  # 22 tiles of 192 rows for 21.3, the last round split
         (patterns.causal(block=128), 16384, 64, True),
+        (patterns.causal(block=128), 4096, 64, True),  # x1.04 since the row max lags on them
         (patterns.local(window=1024, block=128), 16384, 64, False),  # a row of 192 visits 1.5 blocks more
+        (patterns.local(window=1024, block=128), 4096, 64, False),
         (patterns.causal(block=16), 16384, 64, False),  # 96 cells of 16 x 16 in a 192 x 128 tile
-        (patterns.strided_blocks(stride_blocks=8, block=128), 16384, 64, False),  # x0.98: 241 of 1327 partial
+        (patterns.strided_blocks(stride_blocks=8, block=128), 16384, 64, True),  # x1.01: 241 of 1327 partial
+        (patterns.strided_blocks(stride_blocks=8, block=128), 4096, 64, False),
         (patterns.dense(block=128), 16384, 128, True),  # key tiles of 192
         (patterns.dense(block=128), 4096, 128, False),  # 22 key tiles of 192 for 21.3
         (patterns.causal(block=128), 16384, 128, False),  # 171 of 5547 partial: within 1 % either way
