@@ -597,7 +597,7 @@ class Forward:
         """Writes `out` and `lse` on q's stream."""
         addresses = (q.data_ptr, k.data_ptr, v.data_ptr, out.data_ptr, lse.data_ptr)
         if self.scratch is not None:
-            addresses += (_scratch(q, self.scratch).data_ptr,)
+            addresses += (_scratch(q, self.scratch, self.device).data_ptr,)
         self.launch(q.stream, addresses)
 
     def launch(self, stream: int, addresses: tuple) -> None:
@@ -616,7 +616,7 @@ def _run(device: int, launches, stream: int, addresses: tuple) -> None:
             launch.launch(stream, addresses)
 
 
-def _scratch(like, shape: tuple):
+def _scratch(like, shape: tuple, device: int):
     """A float32 scratch on `like`'s device, to be used on its stream: its framework's (PyTorch's caching
     allocator), or from CuPy's pool where it cannot make one (XLA's buffers), in which a freed block is
     taken again only on the stream it was made on, so only after the work queued there before."""
@@ -625,7 +625,7 @@ def _scratch(like, shape: tuple):
     except NotImplementedError:
         import cupy
 
-        with _stream(like.stream):
+        with cupy.cuda.Device(device), _stream(like.stream):
             return CupyTensor(cupy.empty(shape, cupy.float32), "scratch")
 
 
