@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import env
-from .layout import key_band, narrowable
+from .layout import key_band, narrowable, query_band
 
 log = logging.getLogger("cusparseattn")
 
@@ -507,8 +507,9 @@ def _wgmma_functions(ns: list[int], types: str) -> list[str]:
 
 
 def _rule_defines(expr: str) -> list[str]:
-    band = key_band(expr)
+    band, qband = key_band(expr), query_band(expr)
     first, last = band or (None, None)
+    qfirst, qlast = qband or (None, None)
     return [
         f"#define RULE_NARROWABLE {int(narrowable(expr))}",
         *(f"#define P{i} (static_cast<RuleInt>(p.rule_p[{i}]))" for i in range(8)),
@@ -517,6 +518,9 @@ def _rule_defines(expr: str) -> list[str]:
         f"#define RULE_BAND {int(band is not None)}",
         *([f"#define CSA_RULE_FIRST(b, h, q) ({first})"] if first else []),
         *([f"#define CSA_RULE_LAST(b, h, q) ({last})"] if last else []),
+        f"#define RULE_QBAND {int(qband is not None)}",
+        *([f"#define CSA_RULE_QFIRST(b, h, k) ({qfirst})"] if qfirst else []),
+        *([f"#define CSA_RULE_QLAST(b, h, k) ({qlast})"] if qlast else []),
     ]
 
 

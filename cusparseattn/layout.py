@@ -57,19 +57,33 @@ def key_band(expr: str) -> tuple[str | None, str | None] | None:
     expressions over ``b, h, q`` and its parameters for the first and last key that query ``q`` attends
     (``None`` where the rule sets no bound on that side), exactly ``first <= k <= last``; None for other
     rules. It knows conjunctions (``&&``) of comparisons of sums, `k` in one term, as causal and sliding
-    windows write them: the Hopper forward then masks a partial tile's row from two numbers.
+    windows write them: the kernels then mask a partial tile's row from two numbers.
 
     >>> key_band("q + P0 - k >= 0 && q + P0 - k < P1")
     ('q + P0 - P1 + 1', 'q + P0')
     >>> key_band("k <= q || k < P0") is None
     True
     """
+    return _band(expr, "k")
+
+
+def query_band(expr: str) -> tuple[str | None, str | None] | None:
+    """As `key_band`, the queries that see each key: C expressions over ``b, h, k`` and the parameters for
+    the first and last query that attends key ``k``, for the backward's tiles, whose rows are keys.
+
+    >>> query_band("q + P0 - k >= 0 && q + P0 - k < P1")
+    ('-P0 + k', '-P0 + k + P1 - 1')
+    """
+    return _band(expr, "q")
+
+
+def _band(expr: str, var: str) -> tuple[str | None, str | None] | None:
     tokens = _tokens(expr)
     if tokens is None:
         return None
     firsts, lasts = [], []
     for conjunct in _conjuncts(tokens):
-        bound = _key_bound(conjunct)
+        bound = _bound(conjunct, var)
         if bound is None:
             return None
         first, last = bound
@@ -117,8 +131,8 @@ def _split_top(tokens: list[str], separators: set[str]) -> list[list[str]]:
     return parts + [tokens[start:]]
 
 
-def _key_bound(tokens: list[str]) -> tuple[str | None, str | None] | None:
-    """A comparison ``L op R`` of sums whose `k` terms add up to +-k as (first, last), else None."""
+def _bound(tokens: list[str], var: str) -> tuple[str | None, str | None] | None:
+    """A comparison ``L op R`` of sums whose `var` terms add up to +-var as var's (first, last), else None."""
     parts = _split_top(tokens, _COMPARISONS)
     if len(parts) != 3:
         return None
@@ -127,11 +141,11 @@ def _key_bound(tokens: list[str]) -> tuple[str | None, str | None] | None:
     if None in terms:
         return None
     terms = terms[0] + terms[1]  # L - R
-    c = sum(sign for sign, atom in terms if atom == "k")
+    c = sum(sign for sign, atom in terms if atom == var)
     if c not in (1, -1):
         return None
-    # c k + F op 0: k op -F, or k flipped(op) F.
-    rest = [(sign * -c, atom) for sign, atom in terms if atom != "k"]
+    # c var + F op 0: var op -F, or var flipped(op) F.
+    rest = [(sign * -c, atom) for sign, atom in terms if atom != var]
     op = op if c == 1 else _FLIPPED[op]
     shift = {"<=": 0, "<": -1, ">=": 0, ">": 1, "==": 0}[op]
     bound = _format_sum(rest, shift)
@@ -212,12 +226,13 @@ class TokenRule:
         """Whether `kernel_expr` stays exact in 32-bit integers (the kernels then use them: half the
         instructions) for positions below `positions`: it is `narrowable`, and as many terms as it names, each
         at most the largest position, parameter, literal or array value, add up to less than 2^31 (two more
-        where it is a band, `key_band`: the kernels subtract a tile's first key from its bounds and add 1)."""
+        where it is a band, `key_band` or `query_band`: the kernels subtract a tile's first key or query from
+        its bounds and add 1)."""
         expr = self.kernel_expr
         if expr is None or not narrowable(expr):
             return False
         terms = [t for t in _NARROW_TOKENS.findall(expr) if t[0].isalnum()]
-        terms += ["k0", "1"] if key_band(expr) else []
+        terms += ["k0", "1"] if key_band(expr) or query_band(expr) else []
         largest = max(
             [positions, *(abs(int(x)) for x in self.params)]
             + [int(t) for t in terms if t.isdigit()]

@@ -543,15 +543,19 @@ __device__ __forceinline__ void for_each_element(int row0, int lane, F&& f) {
             for (int c = 0; c < 2; ++c) f(n, 2 * r + c, row0 + g + 8 * r, n * 8 + 2 * t + c);
 }
 
-// One bit for each element of a warp's 16 x COLS accumulator tile, bit 4n + 2r + c for element [n][2r + c]:
-// a word up to 128 columns, two for the forward's key tiles of 192. Unrolled loops index it with constants,
-// so the words stay in registers.
+// One bit for each element of a warp's 16 x COLS accumulator tile: element [n][2r + c] (the thread's row r,
+// column 8n + 2t + c) at bit 32r + 2(n % 16) + c of word n / 16, so that a word's halves are the thread's two
+// rows of 128 columns in columns_before's order (band_bits). Unrolled loops index it with constants, so the
+// words stay in registers.
 template <int COLS>
 struct ElementBits {
-    unsigned long long word[(COLS / 2 + 63) / 64] = {};
+    unsigned long long word[(COLS + 127) / 128] = {};
 
-    __device__ __forceinline__ void set(int i, bool on) { word[i / 64] |= (unsigned long long)on << (i % 64); }
-    __device__ __forceinline__ bool operator[](int i) const { return (word[i / 64] >> (i % 64)) & 1ull; }
+    __device__ static constexpr int bit(int n, int j) { return 32 * (j >> 1) + 2 * (n % 16) + (j & 1); }
+    __device__ __forceinline__ void set(int n, int j, bool on) {
+        word[n / 16] |= (unsigned long long)on << bit(n, j);
+    }
+    __device__ __forceinline__ bool at(int n, int j) const { return (word[n / 16] >> bit(n, j)) & 1ull; }
 };
 
 // mask_bits's loop: visible_at(tile-local query, tile-local key) of each of the warp's elements.
@@ -559,7 +563,7 @@ template <bool TRANSPOSED, int COLS, class Visible>
 __device__ __forceinline__ ElementBits<COLS> gather_bits(int row0, int lane, Visible visible_at) {
     ElementBits<COLS> bits;
     for_each_element<COLS>(row0, lane, [&](int n, int j, int row, int col) {
-        bits.set(4 * n + j, TRANSPOSED ? visible_at(col, row) : visible_at(row, col));
+        bits.set(n, j, TRANSPOSED ? visible_at(col, row) : visible_at(row, col));
     });
     return bits;
 }
@@ -594,6 +598,60 @@ __device__ __forceinline__ ElementBits<COLS> block_bits(const Params& p, int pid
                                          [&](int qi, int ki) { return visible(p, pidx, sub, b, h, q0, k0, qi, ki); });
 }
 
+#if RULE_BAND || RULE_QBAND
+// The elements of a thread's share of a warp's row of 128 columns (bit 2n + c: column 8n + 2t + c, t = lane % 4)
+// that lie before column x: the bits below their count, so that ptxas selects the elements by their bits (R2P,
+// seven predicates an instruction) instead of comparing each column. __funnelshift_lc clamps the count to 32.
+__device__ __forceinline__ unsigned columns_before(int x, int t) {
+    const int y = min(max(x - 2 * t, 0), 128);
+    return __funnelshift_lc(~0u, 0u, (y >> 3) * 2 + min(y & 7, 2));
+}
+
+// The columns of a thread's share of 128 of a row's, from col0, that the rule's band lets through, as
+// columns_before lays them out: rows are queries and columns keys (CSA_RULE_FIRST / LAST), or the transpose
+// (CSA_RULE_QFIRST / QLAST, the backward's tiles whose rows are keys). 32-bit integers (TokenRule.narrow).
+template <bool TRANSPOSED>
+__device__ __forceinline__ unsigned band_columns(const Params& p, int b, int h, int row, int col0, int t) {
+    using RuleInt = int;
+    unsigned keep = ~0u;
+    if constexpr (TRANSPOSED) {
+        [[maybe_unused]] const int k = row;
+#ifdef CSA_RULE_QLAST
+        keep &= columns_before(CSA_RULE_QLAST(b, h, k) + 1 - col0, t);
+#endif
+#ifdef CSA_RULE_QFIRST
+        keep &= ~columns_before(CSA_RULE_QFIRST(b, h, k) - col0, t);
+#endif
+    } else {
+        [[maybe_unused]] const int q = row;
+#ifdef CSA_RULE_LAST
+        keep &= columns_before(CSA_RULE_LAST(b, h, q) + 1 - col0, t);
+#endif
+#ifdef CSA_RULE_FIRST
+        keep &= ~columns_before(CSA_RULE_FIRST(b, h, q) - col0, t);
+#endif
+    }
+    return keep;
+}
+
+// mask_bits where the rule alone decides and is a band: each of the thread's rows from its two ends, where the
+// rule at each element took several times the instructions.
+template <bool TRANSPOSED, int COLS>
+__device__ __forceinline__ ElementBits<COLS> band_bits(const Params& p, int b, int h, int q0, int k0, int row0,
+                                                       int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    ElementBits<COLS> bits;
+#pragma unroll
+    for (int w = 0; w < (COLS + 127) / 128; ++w)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = (TRANSPOSED ? k0 : q0) + row0 + g + 8 * r, col0 = (TRANSPOSED ? q0 : k0) + 128 * w;
+            bits.word[w] |= (unsigned long long)band_columns<TRANSPOSED>(p, b, h, row, col0, t) << (32 * r);
+        }
+    return bits;
+}
+#endif
+
 // Which elements of a warp's 16 x COLS accumulator tile are visible (ElementBits), in partial tile `pidx` of
 // the plan; none for a full tile (pidx < 0), which is applied no mask.
 // Rows are queries and columns keys, or the transpose (the dK/dV pass); `row0` is the warp's first row in the
@@ -607,9 +665,15 @@ __device__ __forceinline__ ElementBits<COLS> mask_bits(const Params& p, int pidx
 #if RULE_MODE == RULE_EXPR
     if (rule_decides(p, sub, k0)) {
 #if RULE_NARROWABLE
-        if (p.rule_narrow)
+        if (p.rule_narrow) {
+#if RULE_BAND || RULE_QBAND
+            // Not at head dim 256, whose portable dK/dV pass (255 registers) spilled 4 bytes with it.
+            if constexpr ((TRANSPOSED ? RULE_QBAND : RULE_BAND) && HEAD_DIM <= 128)
+                return band_bits<TRANSPOSED, COLS>(p, b, h, q0, k0, row0, lane);
+#endif
             return gather_bits<TRANSPOSED, COLS>(
                 row0, lane, [&](int qi, int ki) { return rule_at<int>(p, b, h, q0 + qi, k0 + ki); });
+        }
 #endif
         return gather_bits<TRANSPOSED, COLS>(
             row0, lane, [&](int qi, int ki) { return rule_at<long long>(p, b, h, q0 + qi, k0 + ki); });
@@ -690,18 +754,10 @@ __device__ __forceinline__ void apply_mask(float (&s)[COLS / 8][4], const Elemen
     for (int n = 0; n < COLS / 8; ++n)
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-            if (!bits[4 * n + j]) s[n][j] = -INFINITY;
+            if (!bits.at(n, j)) s[n][j] = -INFINITY;
 }
 
 #if RULE_BAND
-// The elements of a thread's share of a warp's row of 128 columns (bit 2n + c: column 8n + 2t + c, t = lane % 4)
-// that lie before column x: the bits below their count, so that ptxas selects the elements by their bits (R2P,
-// seven predicates an instruction) instead of comparing each column. __funnelshift_lc clamps the count to 32.
-__device__ __forceinline__ unsigned columns_before(int x, int t) {
-    const int y = min(max(x - 2 * t, 0), 128);
-    return __funnelshift_lc(~0u, 0u, (y >> 3) * 2 + min(y & 7, 2));
-}
-
 // Sets to -inf the scores of a warp's 16 x COLS tile (rows from row0 of the query tile at q0, columns from key
 // k0) outside the rule's band, in 32-bit integers (TokenRule.narrow): two numbers a row instead of the rule at
 // each element (H100, ncu's fixed clocks: local1024 S = 4096 x1.07 at head dims 64 and 128, 5.5 % fewer warp
@@ -709,20 +765,13 @@ __device__ __forceinline__ unsigned columns_before(int x, int t) {
 template <int COLS>
 __device__ __forceinline__ void hide_outside_band(const Params& p, float (&s)[COLS / 8][4], int b, int h, int q0,
                                                   int k0, int row0, int lane) {
-    using RuleInt = int;
     const int g = lane >> 2, t = lane & 3;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int q = q0 + row0 + g + 8 * r;
 #pragma unroll
         for (int w = 0; w < (COLS + 127) / 128; ++w) {
-            unsigned keep = ~0u;
-#ifdef CSA_RULE_LAST
-            keep &= columns_before(CSA_RULE_LAST(b, h, q) + 1 - k0 - 128 * w, t);
-#endif
-#ifdef CSA_RULE_FIRST
-            keep &= ~columns_before(CSA_RULE_FIRST(b, h, q) - k0 - 128 * w, t);
-#endif
+            const unsigned keep = band_columns<false>(p, b, h, q, k0 + 128 * w, t);
 #pragma unroll
             for (int i = 0; i < 32 && 16 * w + i / 2 < COLS / 8; ++i)
                 if (!((keep >> i) & 1u)) s[16 * w + i / 2][2 * r + i % 2] = -INFINITY;
@@ -926,7 +975,7 @@ __device__ __forceinline__ void zero_hidden(float (&pt)[COLS / 8][4], float (&ds
     for (int c = 0; c < COLS / 8; ++c)
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-            if (!bits[4 * c + j]) pt[c][j] = dst[c][j] = 0.f;
+            if (!bits.at(c, j)) pt[c][j] = dst[c][j] = 0.f;
 }
 
 }  // namespace csa

@@ -30,17 +30,24 @@ def test_rule_values_stay_out_of_the_source():
 
 
 def test_a_band_rule_defines_its_bounds():
-    """A rule that is one run of keys a query (layout.key_band) gives its bounds, which the Hopper forward
-    masks a row of a partial tile by; any other rule says it has none."""
+    """A rule that is one run of keys a query (layout.key_band) gives its bounds, which the kernels mask a row
+    of a partial tile by, and so does one that is a run of queries a key (layout.query_band), for the
+    backward's tiles whose rows are keys; any other rule says it has none."""
     two_sided = "q - k < P0 && q - k > -P0"
-    source = build.KernelSpec.make("forward_sm90", "bfloat16", 64, "expr", two_sided).source()
-    assert "#define RULE_BAND 1" in source
+    source = build.KernelSpec.make("backward_sm90", "bfloat16", 64, "expr", two_sided).source()
+    assert "#define RULE_BAND 1" in source and "#define RULE_QBAND 1" in source
     assert "#define CSA_RULE_FIRST(b, h, q) (q - P0 + 1)" in source
     assert "#define CSA_RULE_LAST(b, h, q) (q + P0 - 1)" in source
+    assert "#define CSA_RULE_QFIRST(b, h, k) (k - P0 + 1)" in source
+    assert "#define CSA_RULE_QLAST(b, h, k) (k + P0 - 1)" in source
     causal = build.KernelSpec.make("forward_sm90", "bfloat16", 64, "expr", "k <= q + P0").source()
     assert "#define CSA_RULE_LAST(b, h, q) (q + P0)" in causal and "#define CSA_RULE_FIRST" not in causal
+    assert "#define CSA_RULE_QFIRST(b, h, k) (k - P0)" in causal and "#define CSA_RULE_QLAST" not in causal
+    keys_only = build.KernelSpec.make("forward", "bfloat16", 64, "expr", "k <= q && k >= P0").source()
+    assert "#define RULE_BAND 1" in keys_only and "#define RULE_QBAND 0" in keys_only
     other = build.KernelSpec.make("forward_sm90", "bfloat16", 64, "expr", "k <= q || k < P0").source()
     assert "#define RULE_BAND 0" in other and "#define CSA_RULE_LAST" not in other
+    assert "#define RULE_QBAND 0" in other and "#define CSA_RULE_QFIRST" not in other
 
 
 def test_params_struct_matches_the_header():

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from kernel_cases import (
+    BANDS,
     DTYPES,
     _torch,
+    band_pattern,
     cases,
     hopper_path,
     layout_for,
@@ -158,6 +160,30 @@ def test_both_kernels_of_a_hopper_gpu(hopper, kind, head_dim, dtype, monkeypatch
     assert_backward_matches(q, k, v, layout_for(kind, rng, 2, 4, 300, 333, 64), dtype, rng)
     suffix = "_sm90" if hopper else ""
     assert launched == [f"forward{suffix}", f"backward_dq{suffix}", f"backward_dkdv{suffix}"]
+
+
+@pytest.mark.parametrize("path", ["fused", "two_pass", "portable"])
+@pytest.mark.parametrize("rule", BANDS)
+def test_the_backward_masks_a_band_by_its_bounds(rule, path, monkeypatch):
+    """The backward passes mask a partial tile that the rule alone decides from each row's two ends
+    (common.cuh's band_bits) where the rule is one run of queries a key (layout.query_band: the dK/dV passes'
+    and the fused pass's rows are keys) or of keys a query (the dQ passes'): the fused Hopper pass, the two
+    Hopper passes and the portable ones, on kernel_cases.band_pattern's rules; ragged lengths, GQA."""
+    from cusparseattn.layout import key_band, query_band
+
+    launched = hopper_path(monkeypatch, path != "portable")
+    monkeypatch.setenv("CUSPARSEATTN_FUSED_BACKWARD", "0" if path == "two_pass" else "1")
+    seed = BANDS.index(rule) * 3 + ["fused", "two_pass", "portable"].index(path)
+    rng = np.random.default_rng(seed)
+    head_dim, dtype = [64, 128][seed % 2], DTYPES[seed // 2 % 2]
+    print(f"seed {seed}, D = {head_dim}, {dtype}")
+    layout = band_pattern(rule, int(rng.integers(20, 300))).layout(300, 333)
+    expr = layout.rule.kernel_expr
+    assert key_band(expr) and query_band(expr) and layout.rule.narrow(333 + 256)
+    q, k, v = random_qkv(rng, 2, 4, 2, 300, 333, head_dim, np_dtype(dtype))
+    assert_backward_matches(q, k, v, layout, dtype, rng)
+    backward = {"fused": "backward_sm90", "two_pass": "backward_dkdv_sm90", "portable": "backward_dkdv"}[path]
+    assert backward in launched
 
 
 @pytest.mark.parametrize("deterministic", [True, False])

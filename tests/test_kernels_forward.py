@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from kernel_cases import (
+    BANDS,
     DTYPES,
     _torch,
+    band_pattern,
     cases,
     hopper_path,
     layout_for,
@@ -186,30 +188,21 @@ def test_the_wide_hopper_forward_lets_a_row_max_lag(kind, dtype, monkeypatch):
 
 @pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("rule", ["two_sided", "traced", "heads", "near"])
+@pytest.mark.parametrize("rule", BANDS)
 def test_the_hopper_forward_masks_a_band_by_its_bounds(rule, head_dim, wide, monkeypatch):
-    """Rules that are one run of keys a query (layout.key_band) mask the rows of a tile that the rule alone
-    decides from their first and last keys (common.cuh's hide_outside_band): both bounds, a traced mask
-    function, bounds that move with the head, runs of 8 keys (shorter than a thread's column pairs are
-    apart); key tiles of 128 and 192 (two words a row), ragged lengths, GQA."""
-    from cusparseattn import TokenRule, cuda
+    """Rules that are one run of keys a query (layout.key_band: kernel_cases.band_pattern) mask the rows of a
+    tile that the rule alone decides from their first and last keys (common.cuh's hide_outside_band); key
+    tiles of 128 and 192 (two words a row), ragged lengths, GQA."""
+    from cusparseattn import cuda
     from cusparseattn.layout import key_band
 
     launched = hopper_path(monkeypatch, True)
     monkeypatch.setattr(cuda, "_wide_pays", lambda *args: wide)
-    seed = ["two_sided", "traced", "heads", "near"].index(rule) * 4 + head_dim // 64 + 2 * wide
+    seed = BANDS.index(rule) * 4 + head_dim // 64 + 2 * wide
     rng = np.random.default_rng(seed)
     dtype = DTYPES[seed % 2]
     print(f"seed {seed}, {dtype}")
-    window = int(rng.integers(20, 300))
-    near = TokenRule("near", lambda b, h, q, k: (k <= q + 5) & (q <= k + 2), c_expr="k - 5 <= q && q <= k+2")
-    pattern = {
-        "two_sided": patterns.local(window=window, causal=False, block=32),
-        "traced": patterns.from_mask(lambda b, h, q, k: (q >= k) & (q - k < window), block=64),
-        "heads": patterns.from_mask(lambda b, h, q, k: (k <= q + h) & (k + window > q), heads=4, block=64),
-        "near": patterns.from_mask(near, block=32),
-    }[rule]
-    layout = pattern.layout(300, 333)
+    layout = band_pattern(rule, int(rng.integers(20, 300))).layout(300, 333)
     assert key_band(layout.rule.kernel_expr) is not None and layout.rule.narrow(333 + 256)
     q, k, v = random_qkv(rng, 2, 4, 2, 300, 333, head_dim, np_dtype(dtype))
     assert_matches(q, k, v, layout, dtype)

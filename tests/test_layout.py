@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from test_patterns import CC, band_expr, needs_cc, run_c
 
 from cusparseattn import patterns
-from cusparseattn.layout import BlockLayout, TokenRule, key_band
+from cusparseattn.layout import BlockLayout, TokenRule, key_band, query_band
 
 BLOCKS = st.sampled_from([16, 32, 64])
 
@@ -514,8 +514,23 @@ def test_key_band_solves_sums_and_comparisons_for_k():
         assert key_band(expr) is None, expr
 
 
+def test_query_band_solves_them_for_q():
+    """layout.query_band: the same conjunctions solved for q (the queries that see each key), where q is in
+    one term of every comparison."""
+    assert query_band("k <= q + P0") == ("k - P0", None)
+    assert query_band("((q >= k) && ((q - k) < P0))") == ("k", "k + P0 - 1")
+    assert query_band("k - 5 <= q && q <= k+2") == ("k - 5", "k + 2")
+    assert query_band("k <= q + h && k + P0 > q") == ("k - h", "k + P0 - 1")
+    # A comparison without k bounds no key, one without q no query.
+    assert key_band("q >= P0 && k <= q + 1") is None
+    assert query_band("q >= P0 && k <= q + 1") == ("max(P0, k - 1)", None)
+    for expr in ("k >= P0 && k <= q", "q + q <= k", "k <= P0", "k <= q || k < P0"):
+        assert query_band(expr) is None, expr
+
+
 def _sums():
-    """C sums of signed names and literals, nested in parentheses, each with its coefficient of k."""
+    """C sums of signed names and literals, nested in parentheses, each with its coefficients of k and q (the
+    real and imaginary parts of a complex number)."""
 
     def signed(sign, term):
         return sign + term[0], -term[1] if sign == "-" else term[1]
@@ -529,7 +544,9 @@ def _sums():
     def sums_of(terms):
         return st.builds(joined, terms, st.lists(st.tuples(st.sampled_from("+-"), terms), max_size=2))
 
-    atoms = st.sampled_from(["q", "k", "P0", "P1", "b", "h", "3", "0"]).map(lambda a: (a, int(a == "k")))
+    atoms = st.sampled_from(["q", "k", "P0", "P1", "b", "h", "3", "0"]).map(
+        lambda a: (a, {"k": 1, "q": 1j}.get(a, 0))
+    )
     signs = st.sampled_from(["", "-"])
     terms = st.recursive(
         st.builds(signed, signs, atoms),
@@ -548,17 +565,19 @@ def _sums():
     params=st.tuples(st.integers(-6, 6), st.integers(-6, 6)),
 )
 def test_key_band_is_the_rule(conjuncts, params, tmp_path_factory):
-    """Random conjunctions of comparisons of sums: a band exactly where every comparison has k with
-    coefficient +-1, and then the same truth as the rule at every (b, h, q, k), in C."""
+    """Random conjunctions of comparisons of sums: a band of keys (of queries) exactly where every comparison
+    has k (q) with coefficient +-1, and then the same truth as the rule at every (b, h, q, k), in C."""
     expr = " && ".join(f"{left} {op} {right}" for (left, _), op, (right, _) in conjuncts)
     print(expr, params)
-    band = key_band(expr)
-    assert (band is not None) == all(abs(cl - cr) == 1 for (_, cl), _, (_, cr) in conjuncts)
-    if band is not None:
-        rule = TokenRule("r", lambda b, h, q, k: q == q, c_expr=expr, params=params)
-        tmp = tmp_path_factory.mktemp("band")
-        same = run_c(rule, 2, 2, 12, 12, tmp, expr=f"({band_expr(band)}) == ({expr})")
-        assert same.all()
+    rule = TokenRule("r", lambda b, h, q, k: q == q, c_expr=expr, params=params)
+    for var, band, part in (("k", key_band(expr), "real"), ("q", query_band(expr), "imag")):
+        assert (band is not None) == all(
+            abs(getattr(cl - cr, part)) == 1 for (_, cl), _, (_, cr) in conjuncts
+        )
+        if band is not None:
+            tmp = tmp_path_factory.mktemp("band")
+            same = run_c(rule, 2, 2, 12, 12, tmp, expr=f"({band_expr(band, var)}) == ({expr})")
+            assert same.all(), var
 
 
 # ---- speed -------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cusparseattn import patterns
-from cusparseattn.layout import BlockLayout, TokenRule, key_band
+from cusparseattn.layout import BlockLayout, TokenRule, key_band, query_band
 
 BLOCKS = st.sampled_from([16, 32, 64])
 LENGTHS = st.integers(1, 300)
@@ -659,16 +659,19 @@ def test_c_expr_matches_rule(pat, sq, sk, tmp_path):
         assert np.array_equal(want, lay.to_dense(batch, heads))
     if rule.c_partial is not None:
         assert_kernel_expr_holds(lay, batch, heads, tmp_path)
-    band = key_band(rule.kernel_expr)
-    if band is not None:
-        same = f"({band_expr(band)}) == ({rule.kernel_expr})"
-        assert run_c(rule, batch, heads, sq, sk, tmp_path, expr=same).all()
+    for var, band in (("k", key_band(rule.kernel_expr)), ("q", query_band(rule.kernel_expr))):
+        if band is not None:
+            same = f"({band_expr(band, var)}) == ({rule.kernel_expr})"
+            assert run_c(rule, batch, heads, sq, sk, tmp_path, expr=same).all(), var
 
 
-def band_expr(band) -> str:
-    """A key band (layout.key_band) as the C expression it stands for."""
+def band_expr(band, var: str = "k") -> str:
+    """A band of keys (layout.key_band) or of queries (`var` "q": layout.query_band) as the C expression it
+    stands for."""
     first, last = band
-    return " && ".join([f"({first}) <= k"] * (first is not None) + [f"k <= ({last})"] * (last is not None))
+    return " && ".join(
+        [f"({first}) <= {var}"] * (first is not None) + [f"{var} <= ({last})"] * (last is not None)
+    )
 
 
 def assert_kernel_expr_holds(lay, batch, heads, tmp_path):
