@@ -99,9 +99,10 @@ def _band(expr: str, var: str) -> tuple[str | None, str | None] | None:
 
 
 def _conjuncts(tokens: list[str]) -> list[list[str]]:
-    parts = _split_top(_strip_parens(tokens), {"&&"})
+    tokens = _strip_parens(tokens)
+    parts = _split_top(tokens, {"&&"})
     if len(parts) == 1:
-        return [_strip_parens(tokens)]
+        return [tokens]
     return [c for part in parts[::2] for c in _conjuncts(part)]
 
 
