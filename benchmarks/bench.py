@@ -586,7 +586,8 @@ def summary(rows) -> None:
         print(f"{r['case']:10} {r['S']:6} {r['D']:4} | {' | '.join(cells)}")
 
 
-def _names(text: str, allowed: list[str], what: str) -> list[str]:
+def comma_names(text: str, allowed: list[str], what: str) -> list[str]:
+    """An argument's comma-separated names, each one of ``allowed`` (the scripts beside this one share it)."""
     names = [n for n in text.split(",") if n]
     unknown = [n for n in names if n not in allowed]
     if unknown or not names:
@@ -596,7 +597,8 @@ def _names(text: str, allowed: list[str], what: str) -> list[str]:
     return names
 
 
-def _ints(text: str) -> list[int]:
+def comma_ints(text: str) -> list[int]:
+    """An argument's comma-separated positive integers."""
     try:
         values = [int(n) for n in text.split(",") if n]
     except ValueError:
@@ -607,7 +609,7 @@ def _ints(text: str) -> list[int]:
 
 
 def _positive(text: str) -> int:
-    values = _ints(text)
+    values = comma_ints(text)
     if len(values) != 1:
         raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
     return values[0]
@@ -619,19 +621,22 @@ def main(argv=None):
     )
     parser.add_argument("--quick", action="store_true", help="S = 4096, the parts compile and cases")
     parser.add_argument(
-        "--only", type=lambda s: _names(s, PARTS, "--only"), help=f"parts to run, from {','.join(PARTS)}"
+        "--only", type=lambda s: comma_names(s, PARTS, "--only"), help=f"parts to run, from {','.join(PARTS)}"
     )
     parser.add_argument(
-        "--cases", type=lambda s: _names(s, CASES, "--cases"), default=CASES, help=f"from {','.join(CASES)}"
+        "--cases",
+        type=lambda s: comma_names(s, CASES, "--cases"),
+        default=CASES,
+        help=f"from {','.join(CASES)}",
     )
-    parser.add_argument("--seqs", type=_ints, help="sequence lengths of the cases (default 4096,16384)")
+    parser.add_argument("--seqs", type=comma_ints, help="sequence lengths of the cases (default 4096,16384)")
     parser.add_argument(
-        "--dims", type=_ints, default=[128, 64], help="head dims of the cases (default 128,64)"
+        "--dims", type=comma_ints, default=[128, 64], help="head dims of the cases (default 128,64)"
     )
     parser.add_argument("--no-backward", action="store_true", help="time the forward only")
     parser.add_argument(
         "--peers",
-        type=lambda s: _names(s, PEERS, "--peers"),
+        type=lambda s: comma_names(s, PEERS, "--peers"),
         default=PEERS,
         help=f"whom the cases time, from {','.join(PEERS)} (default all)",
     )

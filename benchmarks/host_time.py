@@ -24,9 +24,13 @@ import bench  # noqa: E402  (the benchmark's layouts)
 
 # (module, attribute) of each stage, in call order; the first is the outermost.
 STAGES = [
-    ("torch", "_signature"),
-    ("torch", "_Direct.__call__"),
-    ("api", "_prepare"),
+    ("plans", "forward"),
+    ("plans", "backward"),
+    ("plans", "_signature"),
+    ("plans", "ForwardPlan.run"),
+    ("plans", "BackwardPlan.gradients"),
+    ("plans", "_Launch.__call__"),
+    ("call", "prepare"),
     ("backends", "select"),
     ("backends", "CudaBackend.not_supported_reasons"),
     ("backends", "CudaBackend.forward"),

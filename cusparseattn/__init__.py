@@ -11,7 +11,7 @@ that PyTorch, JAX, CuPy and NumPy arrays go in and come back in their own framew
 (1, 2, 256, 64)
 """
 
-from . import backends, mods, patterns, reference, trace
+from . import backends, mods, patterns, reference, torch_backends, trace
 from .api import attention, attention_backward, attention_forward
 from .layout import BlockLayout, TokenRule
 from .patterns import Pattern
@@ -31,5 +31,6 @@ __all__ = [
     "mods",
     "patterns",
     "reference",
+    "torch_backends",
     "trace",
 ]

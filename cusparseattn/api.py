@@ -16,20 +16,8 @@ PyTorch tensors (custom operators with registered autograd, which ``torch.compil
 
 from __future__ import annotations
 
-import functools
-import math
-import numbers
-import weakref
-
-from . import backends, mods
-from .arrays import Sizes, check_layout, validate, wrap
-from .backends import Inputs
-from .layout import BlockLayout
-from .trace import EnvironmentCache
-
-_causal_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# The last mask functions' Patterns, per batch, heads and block size.
-_mask_cache = EnvironmentCache()
+from . import call, plans
+from .arrays import framework_of
 
 
 def attention(
@@ -68,7 +56,7 @@ def attention(
     >>> out.shape, lse.shape, bool(np.allclose(out[:, :, 0], v[:, :, 0], atol=1e-6))
     ((2, 4, 100, 32), (2, 4, 100), True)
     """
-    framework = wrap(q, "q").framework
+    framework = framework_of(q, "q")
     if framework in ("torch", "jax"):
         if framework == "torch":
             from . import torch as adapter
@@ -99,13 +87,23 @@ def attention_forward(q, k, v, layout=None, *, causal=False, scale=None, backend
     >>> out.dtype, lse.dtype, bool(np.isclose(lse[0, 0, 0], q[0, 0, 0] @ k[0, 0, 0] / np.sqrt(8)))
     (dtype('float64'), dtype('float64'), True)
     """
-    if wrap(q, "q").framework == "torch":
+    framework = framework_of(q, "q")
+    if framework == "jax":
+        from . import jax as adapter
+
+        # JAX arrays run inside an XLA call, eager or traced: the kernels then use XLA's buffers and stream.
+        inputs = call.prepare(q, k, v, layout, causal=causal, scale=scale, score_mod=score_mod)
+        return adapter.run(inputs, "forward", backend)
+    if framework == "torch":
         from . import torch as adapter
 
-        if not adapter.compiling():
-            return adapter.attention_forward(q, k, v, layout, causal, scale, backend, score_mod)
-    inputs = _prepare(q, k, v, layout, causal=causal, scale=scale, score_mod=score_mod)
-    return _run(inputs, "forward", backend)
+        if adapter.compiling():  # the custom operator, which torch.compile keeps in its graph
+            return adapter.attention(
+                q, k, v, layout, causal=causal, scale=scale, return_lse=True, backend=backend,
+                **({} if score_mod is None else {"score_mod": score_mod}),
+            )  # fmt: skip
+    plan = plans.forward(q, k, v, layout, causal=causal, scale=scale, backend=backend, score_mod=score_mod)
+    return plan.run(q, k, v)
 
 
 def attention_backward(
@@ -125,90 +123,14 @@ def attention_backward(
     >>> dq.shape, dk.shape, bool(np.allclose(dv.sum(axis=(1, 2)), dout.sum(axis=(1, 2))))
     ((1, 4, 40, 8), (1, 2, 40, 8), True)
     """
-    inputs = _prepare(
-        q, k, v, layout, causal=causal, scale=scale, dout=dout, out=out, lse=lse, score_mod=score_mod
-    )
-    return _run(inputs, "backward", backend)
-
-
-def _prepare(q, k, v, layout, *, causal, scale, dout=None, out=None, lse=None, score_mod=None) -> Inputs:
-    """Wrap and validate every argument (nothing runs before this passes) into a backend's `Inputs`."""
-    hq, hk, hv = wrap(q, "q"), wrap(k, "k"), wrap(v, "v")
-    extra = {name: wrap(x, name) for name, x in (("dout", dout), ("out", out), ("lse", lse)) if x is not None}
-    sizes = validate(hq, hk, hv, **extra)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
-    resolved = _resolve_layout(layout, causal, sizes)
-    mod = None if score_mod is None else mods.score_mod(score_mod)  # names score_mod when it cannot trace
-    return Inputs(hq, hk, hv, resolved, _check_scale(scale, sizes.head_dim), score_mod=mod, **extra)
-
-
-def _run(inputs: Inputs, op: str, backend: str | None) -> tuple:
-    """Select a backend for ``op`` and run it; native arrays of the caller's framework come back."""
-    if inputs.q.framework == "jax":
+    if framework_of(q, "q") == "jax":
         from . import jax as adapter
 
-        # JAX arrays run inside an XLA call, eager or traced: the kernels then use XLA's buffers and stream.
-        return adapter.run(inputs, op, backend)
-    chosen = backends.select(inputs, op, backend)
-    results = chosen.forward(inputs) if op == "forward" else chosen.backward(inputs)
-    return tuple(r.native for r in results)
-
-
-@functools.cache
-def _default_pattern(causal: bool):
-    from . import patterns
-
-    return patterns.causal() if causal else patterns.dense()
-
-
-def _resolve_layout(layout, causal: bool, sizes: Sizes) -> BlockLayout:
-    """The BlockLayout for these sizes: None is dense, a Pattern is built for them, a mask function becomes a
-    Pattern; ``causal`` intersects."""
-    from .patterns import Pattern
-
-    if layout is None:
-        return _default_pattern(causal).layout(sizes.seq_q, sizes.seq_k)
-    if callable(layout) and not isinstance(layout, (Pattern, BlockLayout)):
-        layout = _mask_pattern(layout, sizes.batch, sizes.heads_q)
-    if isinstance(layout, Pattern):
-        layout = layout.layout(sizes.seq_q, sizes.seq_k)
-    check_layout(layout, sizes)
-    return _with_causal(layout) if causal else layout
-
-
-def _mask_pattern(fn, batch: int | None, heads: int | None, block: int = 128):
-    """``patterns.from_mask(fn)`` over these batch elements and heads, in blocks of ``block`` tokens (None:
-    rules of ``b`` or ``h`` are refused, naming them). The same function gives the same Pattern (which caches
-    its layouts per lengths, so the kernels' tables are reused) while what it captures is unchanged
-    (`cusparseattn.trace.environment`: document ids refilled in place in a torch tensor give a new layout).
-    Values whose changes cannot be seen (dicts, large writable NumPy arrays) are taken as unchanged: building
-    a layout costs far more than a trace."""
-    from . import patterns
-
-    def make():
-        return patterns.from_mask(fn, block=block, batch=batch, heads=heads)
-
-    return _mask_cache.get((fn, batch, heads, block), fn, make, watch_all=False)
-
-
-def _with_causal(layout: BlockLayout) -> BlockLayout:
-    # The intersection is kept as long as its operand lives: the same layout gives the same object, so caches
-    # keyed by layout identity (the kernels' device tables) keep working across calls.
-    cached = _causal_cache.get(layout)
-    if cached is None:
-        from . import patterns
-
-        causal = patterns.causal(block=layout.block_size).layout(layout.seq_q, layout.seq_k)
-        cached = _causal_cache[layout] = layout & causal
-    return cached
-
-
-def _check_scale(scale, head_dim: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None (1/sqrt(D)), got {type(scale).__qualname__}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale!r}")
-    return float(scale)
+        inputs = call.prepare(
+            q, k, v, layout, causal=causal, scale=scale, dout=dout, out=out, lse=lse, score_mod=score_mod
+        )
+        return adapter.run(inputs, "backward", backend)
+    plan = plans.backward(
+        dout, q, k, v, out, lse, layout, causal=causal, scale=scale, backend=backend, score_mod=score_mod
+    )
+    return plan.run(dout, q, k, v, out, lse)

@@ -470,6 +470,21 @@ _HOLDERS: dict[str, type[Tensor]] = {
 }
 
 
+def framework_of(x, name: str = "array") -> str:
+    """The framework of array ``x`` by its type's module alone (``"numpy"``, ``"cupy"``, ``"torch"``,
+    ``"jax"``), as `wrap` would hold it: nothing is read from ``x``, so ``torch.compile`` traces no cache.
+
+    >>> framework_of(np.zeros(3)), framework_of(np.float32(1), "q")
+    ('numpy', 'numpy')
+    """
+    if isinstance(x, Tensor):
+        return x.framework
+    cls = _HOLDERS.get(type(x).__module__.split(".")[0])
+    if cls is None:
+        raise TypeError(f"{name} must be a NumPy, CuPy, PyTorch or JAX array, got {_type_name(x)}")
+    return cls.framework
+
+
 def wrap(x, name: str = "array") -> Tensor:
     """The holder for ``x``, a NumPy, CuPy, PyTorch or JAX array; ``name`` names it in error messages.
 
@@ -487,6 +502,101 @@ def wrap(x, name: str = "array") -> Tensor:
     if cls is None:
         raise TypeError(f"{name} must be a NumPy, CuPy, PyTorch or JAX array, got {_type_name(x)}")
     return cls(x, name)
+
+
+def _torch_signature(t) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16
+
+
+def _cupy_signature(x) -> tuple:
+    return x.shape, x.strides, x.dtype, x.device.id, x.data.ptr % 16
+
+
+def _numpy_signature(x) -> tuple:
+    return x.shape, x.strides, x.dtype
+
+
+_SIGNATURES = {"torch": _torch_signature, "cupy": _cupy_signature, "numpy": _numpy_signature}
+_SIGNATURE_OF_TYPE: dict[type, object] = {}
+
+
+def signature(x) -> tuple | None:
+    """What validation, backend choice and the kernels' preparation read of array ``x``: its shape, strides,
+    dtype, device and address mod 16, as a hashable value made in about a microsecond; None for what a plan
+    does not key (JAX arrays, subclasses, anything that is not an array).
+
+    >>> import numpy as np
+    >>> signature(np.zeros((2, 3), np.float32))
+    ((2, 3), (12, 4), dtype('float32'))
+    >>> signature([1, 2]) is None
+    True
+    """
+    of = _SIGNATURE_OF_TYPE.get(type(x))
+    if of is None:
+        cls = type(x)
+        module = cls.__module__.split(".")[0]
+        exact = {"torch": "Tensor", "cupy": "ndarray", "numpy": "ndarray"}.get(module) == cls.__name__
+        of = _SIGNATURE_OF_TYPE[cls] = _SIGNATURES[module] if exact else _no_signature
+    return of(x)
+
+
+def _no_signature(x) -> None:
+    return None
+
+
+class Allocator(NamedTuple):
+    """What a launch over raw addresses needs of a GPU framework: an array's address, the new C-contiguous
+    arrays ``make(made, device index)`` (``made``: (shape, dtype name) pairs), and the framework's current
+    stream of a device (a raw handle)."""
+
+    address: object
+    make: object
+    stream: object
+
+
+def _torch_allocator() -> Allocator:
+    import torch
+
+    dtypes = {name: getattr(torch, name) for name in DTYPES}
+    devices: dict[int, object] = {}
+
+    def make(made, device):
+        on = devices.get(device) or devices.setdefault(device, torch.device("cuda", device))
+        return [torch.empty(shape, dtype=dtypes[dtype], device=on) for shape, dtype in made]
+
+    return Allocator(torch.Tensor.data_ptr, make, torch_current_stream)
+
+
+def _cupy_allocator() -> Allocator:
+    import cupy
+
+    def make(made, device):
+        with cupy.cuda.Device(device):
+            return [cupy.empty(shape, DTYPES[dtype]) for shape, dtype in made]
+
+    def stream(device):
+        with cupy.cuda.Device(device):
+            return cupy.cuda.get_current_stream().ptr
+
+    return Allocator(lambda x: x.data.ptr, make, stream)
+
+
+_ALLOCATORS = {"torch": _torch_allocator, "cupy": _cupy_allocator}
+
+
+def allocator(framework: str) -> Allocator | None:
+    """The `Allocator` of a GPU framework that makes its own arrays (torch, cupy); None for the others
+    (NumPy has no GPU, XLA lends its buffers)."""
+    make = _ALLOCATORS.get(framework)
+    return None if make is None else make()
+
+
+def known(native, name: str, shape, strides, dtype: str, device: Device) -> Tensor:
+    """The holder of ``native`` described as given (read before, for an array of the same signature): a
+    torch tensor's holder without asking the tensor again; another framework's holder reads lazily."""
+    if type(native).__module__.split(".")[0] == "torch":
+        return TorchTensor.known(native, name, shape, strides, dtype, device)
+    return wrap(native, name)
 
 
 class Sizes(NamedTuple):

@@ -55,69 +55,9 @@ from typing import NamedTuple
 import numpy as np
 
 from .arrays import Tensor, device_name
-from .layout import BlockLayout
+from .call import Inputs, prepare
 
 OPS = ("forward", "backward")
-
-
-class Inputs:
-    """The validated arrays (holders) of one call, its layout, scale and score mod: what a backend decides on
-    and runs.
-
-    ``dout``, ``out`` and ``lse`` are set for the backward. ``score_mod`` is None or a `cusparseattn.trace`
-    ``ScoreMod`` (its ``fn`` is the user's function, ``c_expr`` the same as C).
-    """
-
-    def __init__(
-        self,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        layout: BlockLayout,
-        scale: float,
-        *,
-        dout: Tensor | None = None,
-        out: Tensor | None = None,
-        lse: Tensor | None = None,
-        score_mod=None,
-    ):
-        self.q, self.k, self.v, self.layout, self.scale = q, k, v, layout, scale
-        self.dout, self.out, self.lse = dout, out, lse
-        self.score_mod = score_mod
-
-    @property
-    def framework(self) -> str:
-        return self.q.framework
-
-    @property
-    def dtype(self) -> str:
-        return self.q.dtype
-
-    @property
-    def device(self) -> tuple[str, int]:
-        return self.q.device
-
-    @property
-    def head_dim(self) -> int:
-        return self.q.shape[-1]
-
-    @property
-    def on_gpu(self) -> bool:
-        return self.device[0] == "cuda"
-
-    def holders(self) -> list[Tensor]:
-        return [h for h in (self.dout, self.q, self.k, self.v, self.out, self.lse) if h is not None]
-
-    def describe(self) -> str:
-        arrays = "; ".join(h.describe() for h in self.holders())
-        mod = "" if self.score_mod is None else f"; score_mod {score_mod_name(self.score_mod)}"
-        return f"{arrays}; scale {self.scale:.6g}{mod}; layout {self.layout!r}"
-
-
-def score_mod_name(score_mod) -> str:
-    """A score mod's name for messages: its ``name``, else its function's, else its type's."""
-    name = getattr(score_mod, "name", None) or getattr(getattr(score_mod, "fn", None), "__name__", None)
-    return str(name or type(score_mod).__name__)
 
 
 def _precision(dtype: str):
@@ -625,11 +565,9 @@ def _warn_fallback(slow: str, rejected: dict[str, list[str]]) -> None:
 
 
 def _inputs_of(q, k, v, layout, op: str, causal: bool, score_mod) -> Inputs:
-    from .api import _prepare
-
     _check_op(op)
     # The backward's questions are about q, k, v (dtype, head dim, device): asked before any forward.
-    return _prepare(q, k, v, layout, causal=causal, scale=None, score_mod=score_mod)
+    return prepare(q, k, v, layout, causal=causal, scale=None, score_mod=score_mod)
 
 
 def why_not(
@@ -673,11 +611,5 @@ def current_backend(
     return choose(_inputs_of(q, k, v, layout, op, causal, score_mod), op, None)[0].name
 
 
-def _register_builtins() -> None:
-    from .torch_backends import FlexBackend, SdpaBackend
-
-    for backend in (CudaBackend(), ReferenceBackend(), FlexBackend(), SdpaBackend()):
-        register_backend(backend)
-
-
-_register_builtins()
+for _backend in (CudaBackend(), ReferenceBackend()):
+    register_backend(_backend)

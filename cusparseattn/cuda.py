@@ -54,6 +54,14 @@ def reasons(dtype: str, head_dim: int, scale: float = 1.0) -> list[str]:
     return out
 
 
+def current_device() -> int:
+    """The calling thread's current CUDA device (``torch.cuda.set_device`` and ``cupy.cuda.Device`` both set
+    it): where work that no array places (a layout's classification) runs."""
+    import cupy
+
+    return int(cupy.cuda.runtime.getDevice())
+
+
 @functools.cache
 def compute_capability(device: int) -> int:
     """The device's compute capability as an integer (90 for 9.0), looked up once per process."""
@@ -264,21 +272,17 @@ class _StreamHandle:
         return (0, self.handle)
 
 
-_streams: dict[int, object] = {}
-
-
+@functools.lru_cache(maxsize=64)
 def _stream(handle: int):
-    """The framework's current stream as a CuPy stream (0 is the legacy default stream)."""
+    """The framework's current stream as a CuPy stream (0 is the legacy default stream). A program makes
+    streams without end (one per ``torch.cuda.Stream()``); the last 64 are kept."""
     import cupy
 
-    if handle not in _streams:
-        if not handle:
-            _streams[handle] = cupy.cuda.Stream.null
-        elif hasattr(cupy.cuda.Stream, "from_external"):  # CuPy 14
-            _streams[handle] = cupy.cuda.Stream.from_external(_StreamHandle(handle))
-        else:
-            _streams[handle] = cupy.cuda.ExternalStream(handle)
-    return _streams[handle]
+    if not handle:
+        return cupy.cuda.Stream.null
+    if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy 14
+        return cupy.cuda.Stream.from_external(_StreamHandle(handle))
+    return cupy.cuda.ExternalStream(handle)
 
 
 _bound = threading.local()
@@ -473,7 +477,18 @@ def _wide_pays(
     of their schedules (plan.makespan, as `Forward` deals them), a wide tile weighted by
     build.WIDE_TILE_COST and a partial one by build.WIDE_PARTIAL_COST more. Tiles that hold too many of the
     layout's cells never pay."""
-    choice = (kernel, head_dim, max_shared(device), score is not None, plan.rule_mode(layout) == "bits")
+    key = (kernel, head_dim, batch, heads, score is not None)
+    return _per_object(_wide, layout, (*key, device), lambda: _wide_schedule_pays(layout, *key, device))
+
+
+# id(layout) -> {(kernel, head dim, batch, heads, score mod?, device) -> bool}: `_wide_pays`' answers.
+_wide: dict[int, dict] = {}
+
+
+def _wide_schedule_pays(
+    layout: BlockLayout, kernel: str, head_dim: int, batch: int, heads: int, score: bool, device: int
+) -> bool:
+    choice = (kernel, head_dim, max_shared(device), score, plan.rule_mode(layout) == "bits")
     narrow, wide = build.tile_config(*choice), build.tile_config(*choice, wide=True)
     if wide == narrow or plan.tile_cells(*wide[:2], layout.block_size) > plan.MAX_CELLS:
         return False
@@ -605,6 +620,14 @@ class Forward:
         `made`."""
         _run(self.device, self.launches, stream, addresses)
 
+    def run_at(self, stream: int, addresses: tuple) -> None:
+        """Writes out and lse on `stream` (a raw handle) over arrays at these addresses: q, k, v, out, lse,
+        for a caller that lends its buffers and no allocator (XLA): a split deal's scratch comes from
+        CuPy's pool."""
+        if self.scratch is not None:
+            addresses += (_pool_scratch(stream, self.scratch, self.device).data.ptr,)
+        self.launch(stream, addresses)
+
 
 def _run(device: int, launches, stream: int, addresses: tuple) -> None:
     """Launches each `_Bound` in turn on `stream` over arrays at `addresses`, on `device`."""
@@ -623,10 +646,15 @@ def _scratch(like, shape: tuple, device: int):
     try:
         return like.empty(shape, "float32")
     except NotImplementedError:
-        import cupy
+        return CupyTensor(_pool_scratch(like.stream, shape, device), "scratch")
 
-        with cupy.cuda.Device(device), _stream(like.stream):
-            return CupyTensor(cupy.empty(shape, cupy.float32), "scratch")
+
+def _pool_scratch(stream: int, shape: tuple, device: int):
+    """A float32 CuPy array from CuPy's pool, made on `stream` of `device` (`_scratch`)."""
+    import cupy
+
+    with cupy.cuda.Device(device), _stream(stream):
+        return cupy.empty(shape, cupy.float32)
 
 
 # The backward's statistics scratch pads the query rows to whole tiles of every pass (the Hopper dK/dV pass
@@ -790,7 +818,7 @@ class Backward:
 
 
 def classify_blocks(
-    rule, batch: int, heads: int, seq_q: int, seq_k: int, block_size: tuple[int, int], device=0
+    rule, batch: int, heads: int, seq_q: int, seq_k: int, block_size: tuple[int, int], device: int
 ):
     """For a token rule with a C expression: ``(any, all)``, bool ``[batch, heads, blocks_q, blocks_k]``,
     whether the rule lets any / every token pair of each layout block through, evaluated on the GPU (one CTA

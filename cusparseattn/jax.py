@@ -30,9 +30,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from . import api, backends
+from . import backends, call, plans
 from .arrays import NumpyTensor, XlaBuffer, wrap
-from .backends import Inputs
+from .call import Inputs
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -56,7 +56,7 @@ def attention(
     >>> out.dtype, lse.dtype, lse.shape
     (dtype(bfloat16), dtype('float32'), (1, 2, 40))
     """
-    inputs = api._prepare(q, k, v, layout, causal=causal, scale=scale, score_mod=score_mod)
+    inputs = call.prepare(q, k, v, layout, causal=causal, scale=scale, score_mod=score_mod)
     out, lse = _differentiable(inputs.layout, inputs.scale, inputs.score_mod, backend)(q, k, v)
     # The lse leaves as a constant, so its cotangent in the backward is always zero.
     lse = jax.lax.stop_gradient(lse)
@@ -170,25 +170,47 @@ class _Pass:
 
 
 class _Kernels(_Pass):
-    """For ``buffer_callback`` on a GPU: the kernels read and write XLA's buffers, queued on XLA's stream."""
+    """For ``buffer_callback`` on a GPU: the kernels read and write XLA's buffers, queued on XLA's stream.
+
+    The backend was chosen when the call was traced; the kernels' passes are planned at the first call of
+    each layout of XLA's buffers (their shapes, strides and addresses mod 16, `cusparseattn.plans`), so that
+    a jitted step's later calls only launch."""
 
     def __call__(self, ctx, outputs, *args) -> None:
+        buffers = (*args, *outputs)
+        interfaces = [b.__cuda_array_interface__ for b in buffers]
+        addresses = tuple(i["data"][0] for i in interfaces)
+        device = buffers[0].__dlpack_device__()[1]
+        layouts = zip(interfaces, addresses, strict=True)
+        described = (device, *((i["shape"], i.get("strides"), a % 16) for i, a in layouts))
+        # The key holds self, which holds the layout: no other layout gets its id while the plan is kept.
+        launch = plans.kept(("jax", self, described), lambda: self._plan(buffers, ctx.stream))
+        launch(ctx.stream, addresses)
+
+    def _plan(self, buffers, stream: int):
+        """``launch(stream, addresses)``: the kernels' passes for buffers laid out as these are (in XLA's
+        order: `_INPUTS`, then `_KERNEL_OUTPUTS`), after a check of the inputs: traced arrays had no memory to
+        check when the backend was chosen. XLA's buffers are dense and aligned; the check (the outputs are
+        XLA's own) turns a surprise into an error instead of a misaligned access."""
         from . import cuda
 
-        stream = ctx.stream
         names = _INPUTS[self.op] + _KERNEL_OUTPUTS[self.op]
-        held = {
+        arrays = {
             name: XlaBuffer(buffer, name, "float32" if name in ("lse", "stats") else self.dtype, stream)
-            for name, buffer in zip(names, (*args, *outputs), strict=True)
+            for name, buffer in zip(names, buffers, strict=True)
         }
-        # Traced arrays had no memory to check when the backend was chosen. XLA's buffers are dense and
-        # aligned; a check of the inputs (the outputs are XLA's own, as CudaBackend's are its own) turns a
-        # surprise into an error instead of a misaligned access.
-        reasons = cuda.tensor_reasons(*((name, held[name]) for name in _INPUTS[self.op]))
+        reasons = cuda.tensor_reasons(*((name, arrays[name]) for name in _INPUTS[self.op]))
         if reasons:
             raise ValueError("the CUDA kernels cannot read XLA's buffers: " + "; ".join(reasons))
-        launch = cuda.forward if self.op == "forward" else cuda.backward
-        launch(*held.values(), self.layout, self.scale, score_mod=self.score_mod)
+        q, k, v = arrays.pop("q"), arrays.pop("k"), arrays.pop("v")
+        if self.op == "forward":
+            passes = cuda.Forward(q, k, v, self.layout, self.scale, score_mod=self.score_mod, **arrays)
+            return passes.run_at
+        passes = cuda.Backward(q, k, v, self.layout, self.scale, score_mod=self.score_mod, **arrays)
+        launch = passes.launcher(arrays["dout"])
+        # XLA's order (dout, q, k, v, out, lse, dq, dk, dv, stats) to the passes' (q, k, v, out, lse, dout,
+        # dq, dk, dv, stats)
+        return lambda stream, a: launch(stream, (*a[1:6], a[0], *a[6:]))
 
 
 class _ReferenceInPlace(_Pass):

@@ -262,7 +262,9 @@ class Compressed(NamedTuple):
     partial: np.ndarray  # bool [nnz]
 
 
-def _check_block(name: str, value: int) -> int:
+def check_block(name: str, value: int) -> int:
+    """``value`` as an int when it is a block size (a power of two from MIN_BLOCK to MAX_BLOCK); else a
+    ValueError naming ``name``."""
     if (
         not isinstance(value, (int, np.integer))
         or value < MIN_BLOCK
@@ -305,7 +307,7 @@ class BlockLayout:
         origin: tuple[int, int] = (0, 0),
     ):
         bq, bk = (block_size, block_size) if np.isscalar(block_size) else tuple(block_size)
-        self.block_size = (_check_block("block_size (query)", bq), _check_block("block_size (key)", bk))
+        self.block_size = (check_block("block_size (query)", bq), check_block("block_size (key)", bk))
         seq_k = seq_q if seq_k is None else seq_k
         for name, s in (("seq_q", seq_q), ("seq_k", seq_k)):
             if not isinstance(s, (int, np.integer)) or s < 1:
@@ -409,9 +411,16 @@ class BlockLayout:
     # blocks): patterns set it, and the algebra then joins two rules' C expressions, not bit masks.
     _exact_rule = False
 
-    # Identity hash on purpose: layouts are immutable and key per-device caches (uploaded index tables, tile
-    # plans) by identity; hashing their contents would cost O(blocks) per lookup, and `==` compares contents.
-    __hash__ = object.__hash__
+    def __hash__(self) -> int:
+        """A hash that agrees with `==`: lengths, block size, origin and which blocks any batch element or
+        head visits (equal layouts visit the same ones, whatever their broadcast axes). Read once: layouts
+        are immutable. The per-device caches (index tables, tile plans) key layouts by identity, not by it."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            visited = np.packbits(self.blocks.any(axis=(0, 1))).tobytes()
+            cached = hash((self.seq_q, self.seq_k, self.block_size, self.origin, visited))
+            self.__dict__["_hash"] = cached
+        return cached
 
     def __or__(self, other: BlockLayout) -> BlockLayout:
         """Union: a token pair attends when it attends in either layout.
@@ -763,7 +772,8 @@ def _compress(blocks: np.ndarray, partial: np.ndarray) -> Compressed:
 _REF = re.compile(r"\b([PA])(\d+)\b")
 
 
-def _is_torch(x) -> bool:
+def is_torch(x) -> bool:
+    """Whether ``x`` is a torch object (checked without importing torch)."""
     return type(x).__module__.split(".")[0] == "torch"
 
 
@@ -852,7 +862,7 @@ class _RuleOp:
 
     def __call__(self, b, h, q, k):
         x, y = self.fa(b, h, q, k), self.fb(b, h, q, k)
-        if not (_is_torch(x) or _is_torch(y)):
+        if not (is_torch(x) or is_torch(y)):
             x, y = np.asarray(x, dtype=bool), np.asarray(y, dtype=bool)
         return (x & y) if self.op == "&" else (x | y)
 
@@ -864,7 +874,7 @@ class _MaskOp:
         self.op, self.a, self.b = op, a, b
 
     def __call__(self, b, h, q, k):
-        if any(_is_torch(x) for x in (b, h, q, k)):
+        if any(is_torch(x) for x in (b, h, q, k)):
             x, y = self.a._torch_token_mask(b, h, q, k), self.b._torch_token_mask(b, h, q, k)
         else:
             x, y = self.a.token_mask(b, h, q, k), self.b.token_mask(b, h, q, k)
@@ -1045,7 +1055,7 @@ class _FlexRule:
         self.mask_mod = mask_mod
 
     def __call__(self, b, h, q, k):
-        if any(_is_torch(x) for x in (b, h, q, k)):
+        if any(is_torch(x) for x in (b, h, q, k)):
             return self.mask_mod(b, h, q, k)
         import torch
 
@@ -1074,7 +1084,7 @@ def _probe_torch_rule(layout: BlockLayout, mask_mod, device) -> None:
     try:
         with _getitem_to_index():
             out = torch.vmap(mask_mod)(idx * 0, idx * 0, idx % layout.seq_q, idx % layout.seq_k)
-        if not _is_torch(out) or out.dtype != torch.bool or tuple(out.shape) != (4,):
+        if not is_torch(out) or out.dtype != torch.bool or tuple(out.shape) != (4,):
             raise TypeError(
                 f"it gave {type(out).__name__} {getattr(out, 'dtype', '')}, not a torch bool tensor"
             )

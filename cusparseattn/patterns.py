@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from .layout import MAX_ARRAYS, MAX_PARAMS, BlockLayout, TokenRule, _check_block, _is_torch
+from .layout import MAX_ARRAYS, MAX_PARAMS, BlockLayout, TokenRule, check_block, is_torch
 from .mods import mask_rule
 from .trace import NotCompilable, TracedMask, TraceError
 
@@ -140,7 +140,7 @@ class _LayoutMask:
         self.layout = layout
 
     def __call__(self, b, h, q, k):
-        if any(_is_torch(x) for x in (b, h, q, k)):
+        if any(is_torch(x) for x in (b, h, q, k)):
             return self.layout._torch_token_mask(b, h, q, k)
         return self.layout.token_mask(b, h, q, k)
 
@@ -162,8 +162,8 @@ def _block_pair(block) -> tuple[int, int]:
     if isinstance(block, tuple):
         if len(block) != 2:
             raise ValueError(f"block must be an int or a pair (bq, bk), got {block!r}")
-        return _check_block("block (query)", block[0]), _check_block("block (key)", block[1])
-    b = _check_block("block", block)
+        return check_block("block (query)", block[0]), check_block("block (key)", block[1])
+    b = check_block("block", block)
     return b, b
 
 
@@ -219,7 +219,7 @@ def _classified(any_, all_, rule, block_size, sq, sk, *, exact: bool) -> BlockLa
 def _take(table: np.ndarray, index):
     """``table[index]`` for NumPy or torch indices, clamped into the table (masked-out pairs past a sequence's
     end still get evaluated by callers that work on whole tiles)."""
-    if _is_torch(index):
+    if is_torch(index):
         import torch
 
         return torch.from_numpy(table).to(index.device)[torch.clamp(index, 0, table.size - 1)]
@@ -861,7 +861,7 @@ class _HeadSelect:
             term = g == i
             if fn is not None:
                 value = fn(b, h, q, k)
-                term = term & (value if _is_torch(value) else np.asarray(value, dtype=bool))
+                term = term & (value if is_torch(value) else np.asarray(value, dtype=bool))
             out = term if out is None else out | term
         return out
 
@@ -1015,10 +1015,13 @@ GPU_CLASSIFY_PAIRS = 1 << 26
 
 
 def _gpu() -> bool:
-    from . import backends
-
-    cuda = backends.CudaBackend._module()
-    return cuda is not None and not cuda.available()
+    try:
+        from . import cuda
+    except ModuleNotFoundError as err:
+        if err.name != f"{__package__}.cuda":
+            raise
+        return False
+    return not cuda.available()
 
 
 def _classify_blocks(rule, batch: int, heads: int, seq_q: int, seq_k: int, block_size: tuple[int, int]):
@@ -1033,7 +1036,7 @@ def _classify_blocks(rule, batch: int, heads: int, seq_q: int, seq_k: int, block
 
         uses = getattr(rule.fn, "variables", {"b", "h"})
         nb, nh = (batch if "b" in uses else 1), (heads if "h" in uses else 1)
-        return cuda.classify_blocks(rule, nb, nh, seq_q, seq_k, block_size)
+        return cuda.classify_blocks(rule, nb, nh, seq_q, seq_k, block_size, cuda.current_device())
     (bq, bk), nq, nk = block_size, -(-seq_q // block_size[0]), -(-seq_k // block_size[1])
     b = np.arange(batch)[:, None, None, None]
     h = np.arange(heads)[None, :, None, None]

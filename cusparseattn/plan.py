@@ -14,7 +14,7 @@ Everything here is vectorised NumPy over tiles, computed once per (layout, tile 
 
 from __future__ import annotations
 
-import heapq
+import bisect
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -103,16 +103,14 @@ def work_order(
     folds the parts of each row."""
     counts = np.diff(plan.row_ptr).reshape(layout_batch, layout_heads, plan.tiles_q)
     dealt = _deal(_per_call(counts, batch, heads), plan.tiles_q, group_items, ctas, max_parts)
-    parts = np.zeros((len(dealt.parts), 5), np.int32)
-    split_ptr = [0]
-    for p, (item, first, end) in enumerate(dealt.parts):
-        line, tile = divmod(item, plan.tiles_q)
-        b, h = divmod(line, heads)
-        row = plan.row_ptr[((b % layout_batch) * layout_heads + h % layout_heads) * plan.tiles_q + tile]
-        parts[p] = b, h, tile * plan.tile_m, row + first, row + end
-        if p + 1 == len(dealt.parts) or dealt.parts[p + 1][0] != item:
-            split_ptr.append(p + 1)
-    return RowSchedule(dealt.table, parts, np.asarray(split_ptr, np.int32))
+    item, first, end = dealt.parts.T
+    line, tile = np.divmod(item, plan.tiles_q)
+    b, h = np.divmod(line, heads)
+    row = plan.row_ptr[((b % layout_batch) * layout_heads + h % layout_heads) * plan.tiles_q + tile]
+    parts = np.stack([b, h, tile * plan.tile_m, row + first, row + end], axis=1).astype(np.int32)
+    # A split row's parts come together: its last is where the next part's row differs.
+    split_ptr = np.concatenate([[0], np.flatnonzero(np.diff(item, append=-1)) + 1])
+    return RowSchedule(dealt.table, parts, split_ptr.astype(np.int32))
 
 
 def makespan(
@@ -120,12 +118,22 @@ def makespan(
 ) -> float:
     """When the last CTA of `work_order`'s deal would finish, in key tiles (an item's count plus ITEM_COST),
     for `counts` [layout batch, layout heads, tiles_q], the key tiles each row visits (`visits`)."""
-    return _deal(_per_call(counts, batch, heads), counts.shape[2], group_items, ctas, max_parts).end
+    return _jobs(_per_call(counts, batch, heads), counts.shape[2], group_items, ctas, max_parts).end
 
 
 def _per_call(counts: np.ndarray, batch: int, heads: int) -> np.ndarray:
     """A layout's [batch, heads, tiles_q] counts for every (b, h, query tile) of a call, flat."""
     return np.broadcast_to(counts, (batch, heads, counts.shape[2])).reshape(-1)
+
+
+class _Jobs(NamedTuple):
+    """A deal's jobs in the order dealt (`_jobs`)."""
+
+    job: np.ndarray  # int64: the item, or -2 - p for part p
+    when: np.ndarray  # when each starts, in key tiles
+    cta: np.ndarray  # int64: the CTA it goes to
+    end: float  # when the last CTA finishes
+    parts: np.ndarray  # int64 [parts, 3]: item, first and end entry of its own; an item's in a row
 
 
 class _Dealt(NamedTuple):
@@ -134,13 +142,33 @@ class _Dealt(NamedTuple):
     table: np.ndarray  # int32 [rounds * ctas]: items, or -2 - p for part p; -1 past a CTA's last
     start: np.ndarray  # when each item starts (a split one: its first part), in key tiles
     end: float  # when the last CTA finishes
-    parts: list  # (item, first, end) of each part: its entries among the item's, an item's parts in a row
+    parts: np.ndarray  # int64 [parts, 3]: item, first and end entry of its own; an item's in a row
 
 
 def _deal(counts: np.ndarray, line: int, group_items: int, ctas: int, max_parts: int = 0) -> _Dealt:
+    """The deal of items of `counts` tiles each (`_jobs`) as each CTA's list, and when each item starts."""
+    jobs = _jobs(counts, line, group_items, ctas, max_parts)
+    whole = jobs.job >= 0
+    start = np.zeros(counts.size, counts.dtype)
+    start[jobs.job[whole]] = jobs.when[whole]
+    part = -2 - jobs.job[~whole]
+    first = jobs.parts[part, 1] == 0
+    start[jobs.parts[part[first], 0]] = jobs.when[~whole][first]
+    # CTA c's r-th job at [r, c]: the jobs by CTA, each CTA's in order (a stable sort, radix in 16 bits).
+    width, n = min(ctas, counts.size), jobs.job.size
+    per_cta = np.bincount(jobs.cta, minlength=width)
+    turn = np.empty(n, np.int64)
+    by_cta = np.argsort(jobs.cta.astype(np.uint16 if width <= 1 << 16 else np.int64), kind="stable")
+    turn[by_cta] = np.arange(n) - np.repeat(np.cumsum(per_cta) - per_cta, per_cta)
+    table = np.full((per_cta.max(initial=0), width), -1, np.int32)
+    table[turn, jobs.cta] = jobs.job
+    return _Dealt(table.reshape(-1), start, jobs.end, jobs.parts)
+
+
+def _jobs(counts: np.ndarray, line: int, group_items: int, ctas: int, max_parts: int = 0) -> _Jobs:
     """The deal of items of `counts` tiles each, in lines of `line` items, longest first within groups of
     whole lines (as few as hold them all at `group_items` items a group, or more where a group's share of
-    each CTA would not cover its longest item), each to the CTA that would be free first; with
+    each CTA would not cover its longest item), each to the CTA that would be free first (`_place`); with
     `max_parts`, its last items split (`_split_tail`). The groups' sizes differ by a line at most: a short
     last group starts its heavy items late, after the light ones of the group before. H100, B = 2, H = 16,
     against groups of `group_items` and the rest: the forward (S = 4096, 32 lines in four groups of 8
@@ -158,80 +186,190 @@ def _deal(counts: np.ndarray, line: int, group_items: int, ctas: int, max_parts:
     longest = int(counts.max(initial=0)) + ITEM_COST
     most = max(1, -(-group_items // line), -(-longest * ctas * lines // max(cost, 1)))
     groups = -(-lines // most)
-    group = np.arange(counts.size) // line * groups // max(lines, 1)
-    order = np.lexsort((-counts, group))
-    queue = [(0, c) for c in range(min(ctas, len(order)))]
-    jobs = [
-        (item, c, -1) for item, c in zip(order.tolist(), (counts[order] + ITEM_COST).tolist(), strict=True)
-    ]
-    placed = _place(jobs, queue)
-    parts = []
-    if max_parts and queue:
+    group = np.repeat((np.arange(lines) * groups // max(lines, 1)).astype(np.int64), line)
+    order = _longest_first(counts, group)
+    costs = counts[order] + ITEM_COST
+    when, cta, free = _place(costs, np.zeros(min(ctas, order.size), costs.dtype))
+    job, parts = order.astype(np.int64), np.zeros((0, 3), np.int64)
+    if max_parts and free.size:
         # Start times only grow along the deal: the items that start once a CTA would be idle are its last.
-        first_idle = min(queue)[0]
-        tail = next((i for i, (when, _) in enumerate(placed) if when >= first_idle), len(placed))
-        # The queue as the tail found it: each CTA free once its last job before the tail ends.
-        free = [0] * len(queue)
-        for (_, c, _), (when, cta) in zip(jobs[:tail], placed[:tail], strict=True):
-            free[cta] = when + c
-        before = [(t, cta) for cta, t in enumerate(free)]
-        heapq.heapify(before)
-        split = _split_tail(counts, jobs[tail:], before, max_parts)
-        if split and max(queue)[0] - split[0] > SPLIT_GAIN:
-            queue, jobs, parts = before, jobs[:tail] + split[1], split[2]
-            placed = placed[:tail] + _place(jobs[tail:], queue)
-    dealt: list[list[int]] = [[] for _ in queue]
-    start = np.zeros(counts.size, counts.dtype)
-    for (item, _, part), (when, cta) in zip(jobs, placed, strict=True):
-        dealt[cta].append(item if part < 0 else -2 - part)
-        if part < 0 or parts[part][1] == 0:
-            start[item] = when
-    rounds = max((len(d) for d in dealt), default=0)
-    table = np.full((rounds, len(dealt)), -1, np.int32)
-    for cta, items in enumerate(dealt):
-        table[: len(items), cta] = items
-    return _Dealt(table.reshape(-1), start, float(max((t for t, _ in queue), default=0)), parts)
+        tail = int(np.searchsorted(when, free.min()))
+        # Each CTA as the tail finds it: free once its last job before the tail ends.
+        before = np.zeros_like(free)
+        np.maximum.at(before, cta[:tail], when[:tail] + costs[:tail])
+        split = _split_tail(counts, job[tail:], costs[tail:], before, max_parts)
+        if split is not None and free.max() - split.free.max() > SPLIT_GAIN:
+            job, parts, free = np.concatenate([job[:tail], split.job]), split.parts, split.free
+            when = np.concatenate([when[:tail], split.when])
+            cta = np.concatenate([cta[:tail], split.cta])
+    return _Jobs(job, when, cta, float(free.max(initial=0)), parts)
 
 
-def _place(jobs: list, queue: list) -> list:
-    """(start, CTA) of each of `jobs` ((item, cost, part)), each to the CTA of `queue` ((free at, CTA), a
-    heap, updated) that would be free first."""
-    placed = []
-    for _, cost, _ in jobs:
-        free_at, cta = heapq.heappop(queue)
-        placed.append((free_at, cta))
-        heapq.heappush(queue, (free_at + cost, cta))
-    return placed
+def _longest_first(counts: np.ndarray, group: np.ndarray) -> np.ndarray:
+    """The items in order of `group`, then of `counts`, longest first, equal ones in their order: a stable
+    sort of one 16-bit key (NumPy's radix sort, several times quicker than a lexsort at thousands of items)
+    where the counts are whole and the key fits, else a lexsort."""
+    if counts.size and (counts.dtype.kind in "iu" or bool(np.all(counts == np.trunc(counts)))):
+        low, high = int(counts.min()), int(counts.max())
+        if (int(group[-1]) + 1) * (high - low + 1) <= 1 << 16:
+            key = group * (high - low + 1) + (high - counts.astype(np.int64))
+            return np.argsort(key.astype(np.uint16), kind="stable")
+    return np.lexsort((-counts, group))
 
 
-def _split_tail(counts: np.ndarray, tail: list, queue: list, max_parts: int):
-    """The `tail` jobs ((item, cost, -1): those that start once the first CTA would be idle) split so that
-    they end soonest, dealt to `queue` in order of cost: each item of 2 * MIN_PART key tiles or more into
-    the same number of parts (one of SPLIT_COUNTS, fewer where its parts would hold fewer than MIN_PART),
-    `max_parts` in all at most. None where no split ends sooner; else (end, jobs, parts)."""
-    best = None
-    for k in SPLIT_COUNTS:
-        jobs, parts = [], []
-        for item, cost, _ in tail:
-            n = int(round(counts[item]))
-            pieces = max(1, min(k, n // MIN_PART))
-            if pieces == 1:
-                jobs.append((item, cost, -1))
+def _place(costs: np.ndarray, free: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """When each of the jobs of `costs` starts and on which CTA, each in turn to the CTA that would be free
+    first (the lowest of those free at once), from when each CTA is free (`free`); and when each is free
+    after them. Starts only grow along the jobs.
+
+    As one job at a time, but in batches: the next m jobs go to the m CTAs free first, in that order, where
+    each of the first m - 1 would end after the m-th of those CTAs is free (none of them is then free again
+    before it); a run of equal jobs on CTAs free within one job of each other goes round after round in the
+    same order. Integer costs go as one int64 key a CTA, time * CTAs + CTA, in which a tie sorts by CTA."""
+    ctas, dtype = free.size, np.result_type(costs, free, np.int64)
+    if not costs.size or not ctas:
+        return np.zeros(costs.size, dtype), np.zeros(costs.size, np.int64), free.astype(dtype)
+    total = float(costs.sum()) + float(free.max())
+    integral = dtype.kind in "iu" or bool(np.all(costs == np.trunc(costs)) and np.all(free == np.trunc(free)))
+    if integral and total * ctas < 2**53:  # exact as keys, and as the floats they stand for
+        start, cta, after = _place_keys(costs.astype(np.int64), free.astype(np.int64))
+    else:
+        start, cta, after = _place_times(costs.astype(np.float64), free.astype(np.float64))
+    return start.astype(dtype, copy=False), cta, after.astype(dtype, copy=False)
+
+
+def _place_keys(costs: np.ndarray, free: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_place` of integer costs."""
+    n, ctas = costs.size, free.size
+    keys = np.sort(free * ctas + np.arange(ctas))  # the CTAs in the order they would take jobs
+    step = costs * ctas
+    runs = [*(np.flatnonzero(np.diff(step)) + 1).tolist(), n]  # where each run of equal jobs ends
+    taken = []  # the keys of the CTAs that take the jobs, batch by batch
+    pos = 0
+    while pos < n:
+        rounds = (runs[bisect.bisect_right(runs, pos)] - pos) // ctas
+        if rounds > 1 and keys[0] + step[pos] > keys[-1]:
+            taken.append((keys + step[pos] * np.arange(rounds)[:, None]).reshape(-1))
+            keys = keys + step[pos] * rounds
+            pos += rounds * ctas
+            continue
+        m = min(ctas, n - pos)
+        new = keys[:m] + step[pos : pos + m]
+        if m == ctas:
+            new.sort()
+            if new[0] > keys[-1]:  # a whole round
+                taken.append(keys)
+                keys = new
+                pos += m
                 continue
-            bounds = [n * i // pieces for i in range(pieces + 1)]
-            for first, end in zip(bounds, bounds[1:], strict=False):
-                share = (cost - ITEM_COST) * (end - first) / n
-                jobs.append((item, share + ITEM_COST + PART_COST, len(parts)))
-                parts.append((item, first, end))
-        if not parts or len(parts) > max_parts:
+            new = keys + step[pos : pos + m]
+        if m > 1:
+            m = 1 + int(np.count_nonzero(np.minimum.accumulate(new[:-1]) > keys[1:m]))
+        taken.append(keys[:m])
+        keys = np.concatenate([new[:m], keys[m:]])
+        keys.sort()
+        pos += m
+    after = np.empty(ctas, np.int64)
+    after[keys % ctas] = keys // ctas
+    start, cta = np.divmod(np.concatenate(taken), ctas)
+    return start, cta, after
+
+
+def _place_times(costs: np.ndarray, free: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_place` of float costs: the CTAs' times beside their numbers, sorted by both."""
+    n, ctas = costs.size, free.size
+    cta = np.lexsort((np.arange(ctas), free))
+    times = free[cta]
+    start, taken = np.empty(n), np.empty(n, np.int64)
+    pos = 0
+    while pos < n:
+        m = min(ctas, n - pos)
+        new = times[:m] + costs[pos : pos + m]
+        if m > 1:
+            m = 1 + int(np.count_nonzero(np.minimum.accumulate(new[:-1]) > times[1:m]))
+        start[pos : pos + m], taken[pos : pos + m] = times[:m], cta[:m]
+        times = np.concatenate([new[:m], times[m:]])
+        order = np.lexsort((cta, times))
+        times, cta = times[order], cta[order]
+        pos += m
+    after = np.empty(ctas)
+    after[cta] = times
+    return start, taken, after
+
+
+class _Split(NamedTuple):
+    """`_split_tail`'s result: the tail's jobs (`_Jobs`' fields), and when each CTA is free after them."""
+
+    job: np.ndarray
+    when: np.ndarray
+    cta: np.ndarray
+    free: np.ndarray
+    parts: np.ndarray
+
+
+def _split_tail(
+    counts: np.ndarray, items: np.ndarray, costs: np.ndarray, free: np.ndarray, max_parts: int
+) -> _Split | None:
+    """The tail's `items` of `costs` (those that start once the first CTA would be idle) split so that they
+    end soonest, dealt from `free` in order of cost: each item of 2 * MIN_PART key tiles or more into the
+    same number of parts (one of SPLIT_COUNTS, fewer where its parts would hold fewer than MIN_PART),
+    `max_parts` in all at most. None where no item can be split within `max_parts`.
+
+    Only the split chosen is dealt job by job. A split's end depends on its jobs' costs alone (equal ones
+    are interchangeable): where, longest first, each would go to the next CTA in order of free time (none of
+    the CTAs that took one is free again before the last of them takes its job), it is the largest of those
+    sums and of the other CTAs' times, for all splits at once; the others go through `_place`."""
+    n = np.rint(counts[items]).astype(np.int64)
+    tried = []  # the parts of each item, for each count that changes them
+    for k in SPLIT_COUNTS:
+        pieces = np.clip(n // MIN_PART, 1, k)
+        made = int(pieces[pieces > 1].sum())
+        if not made or made > max_parts:
             break
-        jobs.sort(key=lambda job: -job[1])  # stable: equal parts in the order made
-        trial = list(queue)
-        _place(jobs, trial)
-        end = max(t for t, _ in trial)
-        if best is None or end < best[0]:
-            best = (end, jobs, parts)
-    return best
+        if not tried or not np.array_equal(pieces, tried[-1]):
+            tried.append(pieces)
+    if not tried:
+        return None
+    # Each split's jobs as values and how many of each: an item whole, or its parts of n // p + 1 entries
+    # (n % p of them) and of n // p.
+    pieces = np.array(tried)
+    short, longer = np.divmod(n, pieces)
+    split = pieces > 1
+    with np.errstate(divide="ignore", invalid="ignore"):
+        shares = [(costs - ITEM_COST) * length / n + ITEM_COST + PART_COST for length in (short + 1, short)]
+    values = np.stack([np.where(split, shares[0], costs), np.where(split, shares[1], 0)], axis=2)
+    repeats = np.stack([np.where(split, longer, 1), np.where(split, pieces - longer, 0)], axis=2)
+    jobs = repeats.sum(axis=(1, 2))
+    trial = np.repeat(np.arange(len(tried)), jobs)
+    cost = np.repeat(values.reshape(-1), repeats.reshape(-1))
+    cost = cost[np.lexsort((-cost, trial))]  # each split's jobs longest first
+    ctas = free.size
+    longest = np.zeros((len(tried), max(ctas, int(jobs.max()))))  # [split, job]: 0 past its last
+    longest[trial, np.arange(cost.size) - np.repeat(np.cumsum(jobs) - jobs, jobs)] = cost
+    times = np.sort(free.astype(np.float64))
+    ends = times + longest[:, :ctas]
+    before_last = np.arange(ctas) < jobs[:, None] - 1
+    at_once = (jobs <= ctas) & (
+        np.where(before_last, ends, np.inf).min(axis=1) >= times[np.clip(jobs - 1, 0, ctas - 1)]
+    )
+    ends = ends.max(axis=1)
+    for t in np.flatnonzero(~at_once):
+        ends[t] = _place(longest[t, : jobs[t]], free)[2].max()
+    pieces = tried[int(np.argmin(ends))]  # the first that ends soonest
+    # Its jobs in the order made, each whole or as its parts: part i of p of n entries from n * i // p on.
+    split = pieces > 1
+    of = np.repeat(np.arange(items.size), pieces)
+    part = split[of]
+    i = (np.arange(of.size) - np.repeat(np.cumsum(pieces) - pieces, pieces))[part]
+    whole, p = n[of[part]], pieces[of[part]]
+    first, end = whole * i // p, whole * (i + 1) // p
+    job_cost = costs[of].astype(np.float64)
+    job_cost[part] = (costs[of[part]] - ITEM_COST) * (end - first) / whole + ITEM_COST + PART_COST
+    job = items[of]
+    job[part] = -2 - np.arange(part.sum())
+    order = np.argsort(-job_cost, kind="stable")  # equal parts in the order made
+    when, cta, after = _place(job_cost[order], free)
+    return _Split(job[order], when, cta, after, np.stack([items[of[part]], first, end], axis=1))
 
 
 @dataclass(frozen=True)
@@ -300,28 +438,84 @@ def column_schedule(
 
     rank_ptr = np.zeros(col_counts.size + 1, np.int64)
     np.cumsum(col_counts, out=rank_ptr[1:])
-
-    # Per visit, from its column's values repeated (cheaper than gathering them by column at every visit).
-    def per_visit(values):
-        return np.repeat(values, col_counts)
-
-    step = np.arange(rank_ptr[-1]) - per_visit(rank_ptr[:-1])
-    offset, n = per_visit(start) + step, per_visit(col_counts)
-    offset -= n * (offset >= n)  # into the layout column's entries, wrapped once
-    entry = per_visit(plan.col_ptr[source].astype(np.int64)) + offset
-    query_tile = per_visit((b * heads + h) * tiles_q) + plan.col_entries[entry, 0]
     # Each query tile's adds in the order of (when, the deal's order): when * items + deal rank, unique in a
     # query tile (an item's columns are of different heads).
-    later = per_visit(column_start * items.size + deal_rank[item]) + step * items.size
-    tiles = batch * heads * tiles_q
-    per_tile = np.bincount(query_tile, minlength=tiles)
-    ranks = np.empty(step.size, np.int64)
-    ranks[_by_tile(query_tile, later, tiles)] = np.arange(step.size) - np.repeat(
-        np.cumsum(per_tile) - per_tile, per_tile
-    )
-    return ColumnSchedule(
-        table=table, start=start.astype(np.int32), rank_ptr=rank_ptr, ranks=ranks.astype(np.int32)
-    )
+    key = column_start * items.size + deal_rank[item]
+    lines = source[::tiles_k] // tiles_k
+    ranks = _rank_visits(plan, lines, col_counts, start, key, items.size, rank_ptr)
+    return ColumnSchedule(table=table, start=start.astype(np.int32), rank_ptr=rank_ptr, ranks=ranks)
+
+
+def _rank_visits(
+    plan: TilePlan,
+    lines: np.ndarray,
+    counts: np.ndarray,
+    start: np.ndarray,
+    key: np.ndarray,
+    step: int,
+    rank_ptr: np.ndarray,
+) -> np.ndarray:
+    """Each visit's place among the adds into its query tile (`column_schedule`'s ranks, int32, in walk
+    order): call column c (of `counts[c]` entries, layout line `lines[c // tiles_k]`) visits its entries
+    from `start[c]` on, wrapping around, the s-th at `key[c]` + s * `step`; a tile's adds go by that key.
+
+    A call line's visits are its layout line's entries, a row each of [call lines, entries] arrays (rows
+    padded to the longest layout line), sorted by (query tile, key) inside each row: one sort along rows
+    of an int64 that holds both and the visit's place in the walk, where they fit (else a lexsort). The
+    i-th visit of a row so sorted is then the (i - the row's visits into earlier tiles)-th into its tile:
+    the entry's place in its row of the layout."""
+    tiles_q, tiles_k = plan.tiles_q, plan.tiles_k
+    ptr = plan.col_ptr.astype(np.int64)
+    line_ptr = ptr[::tiles_k]
+    sizes = np.diff(line_ptr)
+    width = int(sizes.max(initial=0))
+    # The layout's entries by line, column by column, each row padded by entries of column tiles_k (start
+    # and key 0) in tile tiles_q, after every other.
+    real = np.arange(width) < sizes[:, None]
+    entry = np.where(real, line_ptr[:-1, None] + np.arange(width), 0)
+    owner = np.repeat(np.arange(ptr.size - 1), np.diff(ptr))[entry]
+    pos = np.where(real, entry - ptr[owner], 0).astype(np.int32)  # the entry's place in its column
+    n = np.where(real, ptr[owner + 1] - ptr[owner], 0)
+    walk = np.where(real, ptr[owner] - line_ptr[owner // tiles_k], 0)  # where its column's walk begins
+    tile = np.where(real, plan.col_entries[entry, 0], tiles_q).astype(np.int64)
+    row_ptr = plan.row_ptr.astype(np.int64)
+    in_row = (np.arange(row_ptr[-1]) - np.repeat(row_ptr[:-1], np.diff(row_ptr)))[entry]
+    padded = not real.all()
+    if sizes.size > 1:
+        pos, n, walk, tile, in_row, real = (a[lines] for a in (pos, n, walk, tile, in_row, real))
+    # Each call column's value at each of its visits: repeated, the row's padding after its last column's.
+    repeats = np.empty((lines.size, tiles_k + 1), np.int64)
+    repeats[:, :-1] = counts.reshape(lines.size, tiles_k)
+    repeats[:, -1] = width - sizes[lines]
+
+    def by_column(values, dtype=np.int64):
+        table = np.zeros((lines.size, tiles_k + 1), dtype)
+        table[:, :-1] = values.reshape(lines.size, tiles_k)
+        return np.repeat(table.reshape(-1), repeats.reshape(-1)).reshape(lines.size, width)
+
+    wraps = pos < by_column(start, np.int32)  # the visits past their column's last entry
+    span = int((key + (counts - 1) * step)[counts > 0].max(initial=0)) + 1
+    bits = max(width - 1, 0).bit_length()
+    if (tiles_q + 1) * span << bits < 2**62:  # every sum below within int64
+        # (tile * span + key + s * step) << bits | walk + s, s = pos - start (+ n past the last entry).
+        scale = (step << bits) + 1
+        placed = by_column((key << bits) - start * scale)
+        placed += ((tile * span) << bits) + walk + pos.astype(np.int64) * scale
+        np.add(placed, n * scale, out=placed, where=wraps)
+        placed.sort(axis=1)
+        placed &= (1 << bits) - 1
+    else:
+        s = pos - by_column(start) + wraps * n
+        later = by_column(key) + s * step
+        order = np.lexsort((later, np.broadcast_to(tile, later.shape)), axis=1)
+        placed = np.take_along_axis(walk + s, order, axis=1)
+    placed += rank_ptr[:-1:tiles_k, None]
+    ranks = np.empty(rank_ptr[-1], np.int32)
+    if padded:
+        ranks[placed[real]] = np.broadcast_to(in_row, placed.shape)[real]
+    else:
+        ranks[placed] = in_row
+    return ranks
 
 
 # Entries a column may start its walk past its diagonal (_spread_walks): a bound on the planning time.
@@ -353,42 +547,41 @@ def _spread_walks(
     runs[runs] = tiles[ptr[source[runs] + 1] - 1] - first[runs] + 1 == counts[runs]
     order = np.argsort(when, kind="stable")
     order = order[runs[order]]
-    firsts = first[order].tolist()
-    phase0 = (when[order] - first[order]).tolist()
-    spread = start[order].tolist()
-    held: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (head, phase): the tiles its columns take
-
-    def met(head, phase, lo, hi):
-        taken = held.get((head, phase))
-        return 0 if taken is None else sum(max(0, min(hi, b) - max(lo, a)) for a, b in taken)
-
-    for i, (n, h) in enumerate(zip(counts[order].tolist(), (order // tiles_k).tolist(), strict=True)):
-        f, p0, r = firsts[i], phase0[i], spread[i]
+    # By head, then phase: the tiles that its columns take at that phase. The loop is plain Python, its
+    # overlaps written out: every column depends on the columns of its head before it.
+    held: list[dict[int, list[tuple[int, int]]]] = [{} for _ in range(-(-counts.size // tiles_k))]
+    spread = []
+    columns = (first[order], when[order] - first[order], start[order], counts[order], order // tiles_k)
+    for f, p0, r, n, h in zip(*(a.tolist() for a in columns), strict=True):
+        get, end = held[h].get, f + n
         least, best = n + 1, r
         for _ in range(min(n, MAX_SPREAD)):
-            meets = met(h, p0 - r, f + r, f + n) + (met(h, p0 - r + n, f, f + r) if r else 0)
+            # The tiles f + r .. end at phase p0 - r, and those before f + r at p0 - r + n.
+            meets, lo = 0, f + r
+            taken = get(p0 - r)
+            if taken is not None:
+                for a, b in taken:
+                    overlap = (b if b < end else end) - (a if a > lo else lo)
+                    if overlap > 0:
+                        meets += overlap
+            taken = get(p0 - r + n) if r else None
+            if taken is not None:
+                for a, b in taken:
+                    overlap = (b if b < lo else lo) - (a if a > f else f)
+                    if overlap > 0:
+                        meets += overlap
             if meets < least:
                 least, best = meets, r
                 if not meets:
                     break
             r = r + 1 if r + 1 < n else 0
-        held.setdefault((h, p0 - best), []).append((f + best, f + n))
+        held[h].setdefault(p0 - best, []).append((f + best, end))
         if best:
-            held.setdefault((h, p0 - best + n), []).append((f, f + best))
-        spread[i] = best
+            held[h].setdefault(p0 - best + n, []).append((f, f + best))
+        spread.append(best)
     start = start.astype(np.int64)
     start[order] = spread
     return start
-
-
-def _by_tile(tile: np.ndarray, key: np.ndarray, tiles: int) -> np.ndarray:
-    """The order of visits by tile (below `tiles`), then by key (non-negative, unique within a tile): one sort
-    of a key that holds both where it fits in int64, else two. Stable: the visits come in runs of rising
-    key (a column's walk), which NumPy's stable sort (timsort) merges several times faster than quicksort."""
-    span = int(key.max()) + 1 if key.size else 1
-    if tiles * span < 2**63:
-        return np.argsort(tile * span + key, kind="stable")
-    return np.lexsort((key, tile))
 
 
 def rule_mode(layout: BlockLayout) -> str:
@@ -454,17 +647,36 @@ class _Grid:
         (tiles_q, tiles_k), (per_q, _) = self.tiles, self.per_tile
         # Rows past the sequence's end don't matter (nothing is written for them), so they pad as full.
         row_pad = np.arange(tiles_q * per_q).reshape(tiles_q, per_q) >= self.rows
-        full = (self.tiled(self.cells(self.layout.full)) | row_pad[None, None, :, :, None, None]).all(
-            axis=(3, 5)
-        )
+        full = _every_cell(self.tiled(self.cells(self.layout.full)) | row_pad[None, None, :, :, None, None])
         return full & ((np.arange(tiles_k) + 1) * self.tile_n <= self.layout.seq_k)  # ends before the keys do
 
     def tiled(self, cells: np.ndarray) -> np.ndarray:
         """Cells as [B, H, tiles_q, per_q, tiles_k, per_k] (padded with False)."""
         nb, nh, rows, cols = cells.shape
         (tiles_q, tiles_k), (per_q, per_k) = self.tiles, self.per_tile
-        pad = ((0, 0), (0, 0), (0, tiles_q * per_q - rows), (0, tiles_k * per_k - cols))
-        return np.pad(cells, pad).reshape(nb, nh, tiles_q, per_q, tiles_k, per_k)
+        out = np.zeros((nb, nh, tiles_q * per_q, tiles_k * per_k), cells.dtype)
+        out[:, :, :rows, :cols] = cells
+        return out.reshape(nb, nh, tiles_q, per_q, tiles_k, per_k)
+
+
+def _any_cell(tiled: np.ndarray) -> np.ndarray:
+    """[B, H, tiles_q, tiles_k] of `_Grid.tiled` cells: whether any cell of each tile is set. A tile's cells
+    (MAX_CELLS at most) one slice at a time: NumPy reduces such small axes of this shape several times
+    slower."""
+    return _fold(np.logical_or, tiled)
+
+
+def _every_cell(tiled: np.ndarray) -> np.ndarray:
+    """Whether every cell of each tile is set (`_any_cell`)."""
+    return _fold(np.logical_and, tiled)
+
+
+def _fold(op, tiled: np.ndarray) -> np.ndarray:
+    out = tiled[:, :, :, 0, :, 0].copy()
+    for i, j in np.ndindex(tiled.shape[3], tiled.shape[5]):
+        if i or j:
+            op(out, tiled[:, :, :, i, :, j], out=out)
+    return out
 
 
 def visits(layout: BlockLayout, tile_m: int, tile_n: int, partial_cost: float = 0) -> np.ndarray:
@@ -472,7 +684,7 @@ def visits(layout: BlockLayout, tile_m: int, tile_n: int, partial_cost: float = 
     plan), for weighing tilings against each other without building their plans; a partial tile (masked)
     counts 1 + `partial_cost`."""
     grid = _Grid(layout, tile_m, tile_n)
-    visited = grid.tiled(grid.cells(layout.blocks)).any(axis=(3, 5))
+    visited = _any_cell(grid.tiled(grid.cells(layout.blocks)))
     counts = np.count_nonzero(visited, axis=3)
     if not partial_cost:
         return counts
@@ -485,7 +697,7 @@ def build(layout: BlockLayout, tile_m: int, tile_n: int) -> TilePlan:
 
     set_cells = grid.cells(layout.blocks)
     partial_cells = set_cells & ~grid.cells(layout.full)
-    visited = grid.tiled(set_cells).any(axis=(3, 5))
+    visited = _any_cell(grid.tiled(set_cells))
     full_tile = grid.full_tiles()
 
     counts = np.count_nonzero(visited, axis=3).reshape(-1)

@@ -38,10 +38,8 @@ from typing import NoReturn
 
 import torch
 
-from . import api, backends, env
-from .arrays import FixedTensor, TorchTensor, torch_current_stream, torch_device, torch_dtype_name
-from .layout import BlockLayout
-from .patterns import Pattern
+from . import backends, call, plans
+from .arrays import FixedTensor, torch_device, torch_dtype_name
 
 
 class _Registry:
@@ -164,7 +162,7 @@ def _plan(layout, score_mod, causal, backend, backward, q, k, v):
 def _checked(q, k, v, layout, causal, scale, score_mod, backend, backward: bool):
     """One call's validated `Inputs` and the backend that runs its forward; a forced backend must also be able
     to run the backward when there will be one: say so now, not in the backward."""
-    inputs = api._prepare(q, k, v, layout, causal=causal, scale=scale, score_mod=score_mod)
+    inputs = call.prepare(q, k, v, layout, causal=causal, scale=scale, score_mod=score_mod)
     chosen = backends.select(inputs, "forward", backend)
     if backend is not None and backward:
         backends.select(inputs, "backward", backend)
@@ -253,275 +251,73 @@ def compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def attention_forward(q, k, v, layout, causal, scale, backend, score_mod) -> tuple:
-    """`cusparseattn.attention_forward` on torch tensors outside ``torch.compile``: ``(out, lse)``, not
-    differentiable, through eager mode's keyed path (a call that repeats a signature neither validates nor
-    chooses again)."""
-    return _eager(q, k, v, layout, causal, scale, backend, score_mod, False, False)
-
-
 # ---- the passes, shared by eager mode and the operators ---------------------------------------------------
 
 
-def _outputs(holders) -> tuple[torch.Tensor, ...]:
-    return tuple(h.native.contiguous() for h in holders)
+def _contiguous(results) -> tuple[torch.Tensor, ...]:
+    return tuple(r.contiguous() for r in results)
 
 
 def _outputs_of(q, k, v, layout, score_mod, scale: float, backend) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, lse)`` of the forward, its arguments checked as `attention` checks them."""
-    inputs = api._prepare(q, k, v, layout, causal=False, scale=scale, score_mod=score_mod)
-    return _outputs(backends.select(inputs, "forward", backend).forward(inputs))
+    """``(out, lse)`` of the forward, through its plan (`cusparseattn.plans`)."""
+    plan = plans.forward(q, k, v, layout, scale=scale, backend=backend, score_mod=score_mod)
+    return _contiguous(plan.run(q, k, v))
 
 
 def _gradients(dout, q, k, v, out, lse, layout, score_mod, scale: float, backend):
     """``(dq, dk, dv)``, contiguous, from ``dout``, the gradient of the loss with respect to ``out``."""
     dout = _last_contiguous(dout)
-    inputs = api._prepare(
-        q, k, v, layout, causal=False, scale=scale, dout=dout, out=out, lse=lse, score_mod=score_mod
-    )
-    return _outputs(backends.select(inputs, "backward", backend).backward(inputs))
+    plan = plans.backward(dout, q, k, v, out, lse, layout, scale=scale, backend=backend, score_mod=score_mod)
+    return _contiguous(plan.run(dout, q, k, v, out, lse))
 
 
 # ---- eager mode --------------------------------------------------------------------------------------------
 
 
 def _eager(q, k, v, layout, causal, scale, backend, score_mod, recompute, backward):
-    """`attention` outside ``torch.compile``: the passes run without the operators' dispatch, and a call that
-    repeats an earlier one's signature (`_signature`) neither validates nor chooses again: it reuses what that
-    call decided and its backend prepared (`_Call`). The dispatch and those steps had each doubled a call's
-    host time, which at S = 4096 exceeded the kernels' time."""
-    key = _signature(q, k, v, layout, causal, scale, backend, score_mod, backward)
-    call = None if key is None else _calls.get(key)
-    resolved = None if call is None else call.layout(layout)
-    inputs = None  # the holders, made here only for a call that validates
-    if resolved is None:
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(_not_a_tensor(name, f"{type(x).__module__}.{type(x).__qualname__}"))
-        inputs, chosen = _checked(q, k, v, layout, causal, scale, score_mod, backend, backward)
-        call, resolved = _Call(inputs, chosen, backend, layout), inputs.layout
-        if key is not None:
-            call.keep(key)
+    """`attention` outside ``torch.compile``: the call's plan (`cusparseattn.plans`: a call that repeats a
+    signature neither validates nor chooses again) runs without the operators' dispatch, which had doubled a
+    call's host time."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(_not_a_tensor(name, f"{type(x).__module__}.{type(x).__qualname__}"))
+    plan = plans.forward(
+        q, k, v, layout, causal=causal, scale=scale, backend=backend, score_mod=score_mod, backward=backward
+    )
     if not backward:
-        return call.forward(q, k, v, resolved, inputs)
-    return _Attention.apply(q, k, v, call, resolved, inputs, recompute)
-
-
-_SCALES = (type(None), float, int)
-
-
-def _signature(q, k, v, layout, causal, scale, backend, score_mod, backward) -> tuple | None:
-    """The key of what validation and backend choice read from a call: the arguments, each tensor's shape,
-    strides, dtype, device and address mod 16, the backends enabled here and the switches that choose kernels
-    (the Hopper kernels, the fused backward, the order of its dQ adds). None for a call that cannot be keyed:
-    a score mod or a mask function (what they capture may change between calls), tensor subclasses, arguments
-    that validation will refuse."""
-    if score_mod is not None or type(causal) is not bool or type(scale) not in _SCALES:
-        return None
-    if not (layout is None or isinstance(layout, (BlockLayout, Pattern))):
-        return None
-    if not (backend is None or isinstance(backend, (str, backends.Backend))):
-        return None
-    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
-        return None
-    switches = (env.hopper(), env.fused_backward(), env.deterministic())
-    arguments = (id(layout), causal, scale, backend, backward, backends.state(), switches)
-    return arguments + _descriptions((q, k, v))
-
-
-# Keyed calls by `_signature`, the oldest first; a call goes when its layout does.
-_calls: dict[tuple, _Call] = {}
-_CALLS_KEPT = 64
-_calls_lock = threading.Lock()
-_UNSET = object()
-
-
-class _Call:
-    """What an eager call decided, for the calls that repeat its signature: the layout and scale it resolved,
-    the backend it chose and what that backend prepared (the forward now, with its `_Direct` launch where it
-    has one; the backward at the first forward that autograd records). It holds its layouts weakly: kept
-    calls must not keep layouts and their device tables alive."""
-
-    def __init__(self, inputs: backends.Inputs, chosen: backends.Backend, backend, layout_arg):
-        self.scale, self.score_mod = inputs.scale, inputs.score_mod
-        self.chosen, self.backend = chosen, backend
-        self._layout = weakref.ref(inputs.layout)
-        self._arg = None if layout_arg is None else weakref.ref(layout_arg)  # its id is in the key
-        self._forward = chosen.prepare_forward(inputs)
-        self._direct = _Direct.of(None if self._forward is None else self._forward.direct())
-        self._backward = _UNSET
-        self._kinds = tuple(_kind(h) for h in (inputs.q, inputs.k, inputs.v))
-
-    def keep(self, key: tuple) -> None:
-        with _calls_lock:
-            _calls[key] = self
-            while len(_calls) > _CALLS_KEPT:
-                del _calls[next(iter(_calls))]
-        weakref.finalize(self._layout(), _calls.pop, key, None)
-
-    def layout(self, layout_arg) -> BlockLayout | None:
-        """The layout this call resolved when `layout_arg` is the argument it was made for; None when it was
-        another object of the same id or the layout is gone."""
-        layout = self._layout()
-        if layout is None or (self._arg is None) != (layout_arg is None):
-            return None
-        if self._arg is not None and self._arg() is not layout_arg:
-            return None
-        return layout
-
-    def inputs(self, q, k, v, layout: BlockLayout) -> backends.Inputs:
-        """This call's `Inputs` over other tensors of its signature."""
-        # Described as this call's were: the signature says so.
-        kq, kk, kv = self._kinds
-        hq, hk, hv = (
-            TorchTensor.known(q, "q", *kq),
-            TorchTensor.known(k, "k", *kk),
-            TorchTensor.known(v, "v", *kv),
-        )
-        return backends.Inputs(hq, hk, hv, layout, self.scale, score_mod=self.score_mod)
-
-    def forward(self, q, k, v, layout: BlockLayout, inputs=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)`` of tensors of this call's signature: launched directly where the backend can, else
-        on `inputs` (the holders the call validated; made now if None)."""
-        if self._direct is not None:
-            out, lse, *_ = self._direct(q, k, v)  # and the scratch, if any
-            return out, lse
-        inputs = self.inputs(q, k, v, layout) if inputs is None else inputs
-        return _outputs(self.chosen.forward(inputs) if self._forward is None else self._forward.run(inputs))
-
-    def prepared_backward(self, q, k, v, layout: BlockLayout, out, lse, inputs=None) -> _Prepared | None:
-        if self._backward is _UNSET:
-            inputs = self.inputs(q, k, v, layout) if inputs is None else inputs
-            self._backward = _Prepared.make(inputs, out, lse, self.backend)
-        return self._backward
-
-
-class _Direct:
-    """A backend's `backends.Direct` launch on torch tensors: its arrays from PyTorch's allocator, the launch
-    on PyTorch's current stream of the GPU. Calling it with the call's tensors returns the arrays it made."""
-
-    def __init__(self, direct: backends.Direct):
-        self._device, self._index = torch.device("cuda", direct.device), direct.device
-        self._made = tuple((shape, getattr(torch, dtype)) for shape, dtype in direct.made)
-        self._launch = direct.launch
-
-    @classmethod
-    def of(cls, direct: backends.Direct | None) -> _Direct | None:
-        return None if direct is None else cls(direct)
-
-    def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        device = self._device
-        made = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._made]
-        self._launch(torch_current_stream(self._index), tuple(t.data_ptr() for t in (*tensors, *made)))
-        return made
+        return plan.run(q, k, v)
+    return _Attention.apply(q, k, v, plan, recompute)
 
 
 class _Attention(torch.autograd.Function):
     """Eager mode's autograd node (under ``torch.compile``, the operators' registered autograd)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, call, layout, inputs, recompute):
-        out, lse = call.forward(q, k, v, layout, inputs)
+    def forward(ctx, q, k, v, plan, recompute):
+        out, lse = plan.run(q, k, v)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # lse has no gradient: no zero-filled tensor for it
-        # The layout and score mod live as long as the graph that needs them.
-        ctx.layout, ctx.score_mod, ctx.scale = layout, call.score_mod, call.scale
-        ctx.backend, ctx.recompute = call.backend, recompute
+        # The plan holds the layout and score mod as long as the graph that needs them.
+        ctx.plan, ctx.recompute = plan, recompute
         ctx.save_for_backward(*((q, k, v) if recompute else (q, k, v, out, lse)))
-        ctx.prepared = None if recompute else call.prepared_backward(q, k, v, layout, out, lse, inputs)
+        ctx.prepared = None if recompute else plan.backward_plan(q, k, v, out, lse)
         return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout, _dlse):
         if dout is None:  # an undefined gradient of out (torch.autograd.grad may pass one): no gradients
-            return (None,) * 7
+            return (None,) * 5
         dout = _last_contiguous(dout)
         q, k, v, *saved = ctx.saved_tensors
-        grads = ctx.prepared and ctx.prepared.gradients(dout, (q, k, v, *saved), ctx)
+        grads = ctx.prepared and ctx.prepared.gradients(dout, q, k, v, *saved)
         if not grads:
-            args = (ctx.layout, ctx.score_mod, ctx.scale, ctx.backend)
+            plan = ctx.plan
+            args = (plan.layout, plan.score_mod, plan.scale, plan.backend)
             if ctx.recompute:
                 saved = _outputs_of(q, k, v, *args)
             grads = _gradients(dout, q, k, v, *saved, *args)
-        return *grads, None, None, None, None
-
-
-_SAVED = ("q", "k", "v", "out", "lse")
-
-
-class _Prepared:
-    """Eager mode's backward for one call signature, prepared in its first forward
-    (`Backend.prepare_backward`): the backward, which PyTorch runs on its autograd thread, then goes from
-    dout to its first launch without validating and choosing again. It is used when autograd hands back
-    tensors described as the forward's were (a saved-tensor hook may hand back others) and the backend
-    accepts dout; otherwise the backward takes the usual path. The backend is chosen under the forward's
-    `use_backends`."""
-
-    def __init__(self, prepared: backends.PreparedBackward, holders):
-        self.prepared = prepared
-        self.saved = _descriptions(h.native for h in holders)
-        self._kinds = tuple(_kind(h) for h in holders)
-        # The last dout accepted: (description, kind, its `_Direct` launch or None).
-        self._dout = None
-
-    @classmethod
-    def make(cls, inputs: backends.Inputs, out, lse, backend) -> _Prepared | None:
-        """For the forward's `inputs` and its outputs `out`, `lse` (the tensors autograd saves)."""
-        out, lse = TorchTensor(out, "out"), TorchTensor(lse, "lse")
-        # out stands in for dout, which will have its shape, dtype and device: `accepts` checks the rest.
-        backward = backends.Inputs(
-            inputs.q,
-            inputs.k,
-            inputs.v,
-            inputs.layout,
-            inputs.scale,
-            score_mod=inputs.score_mod,
-            out=out,
-            lse=lse,
-            dout=out,
-        )
-        try:
-            chosen, _ = backends.choose(backward, "backward", backend)
-        except ValueError:  # the backward raises it, with its own arguments
-            return None
-        prepared = chosen.prepare_backward(backward)
-        return None if prepared is None else cls(prepared, (inputs.q, inputs.k, inputs.v, out, lse))
-
-    def gradients(self, dout: torch.Tensor, tensors, ctx) -> tuple | None:
-        """``(dq, dk, dv)`` from the saved `tensors` (q, k, v, out, lse) and the layout, scale and score mod
-        of the forward's `ctx`; None when they or dout are not what this backward was prepared for."""
-        if _descriptions(tensors) != self.saved:
-            return None
-        # A backend's answer depends on dout's description alone (`PreparedBackward.accepts`).
-        (described,) = _descriptions((dout,))
-        accepted = self._dout
-        if accepted is None or accepted[0] != described:
-            holder = TorchTensor(dout, "dout")
-            if not self.prepared.accepts(holder):
-                return None
-            accepted = self._dout = (described, _kind(holder), _Direct.of(self.prepared.direct(holder)))
-        if accepted[2] is not None:
-            dq, dk, dv, *_ = accepted[2](*tensors, dout)  # and the scratch
-            return dq, dk, dv
-        q, k, v, out, lse = (
-            TorchTensor.known(t, n, *kind) for t, n, kind in zip(tensors, _SAVED, self._kinds, strict=True)
-        )
-        holder = TorchTensor.known(dout, "dout", *accepted[1])
-        inputs = backends.Inputs(
-            q, k, v, ctx.layout, ctx.scale, score_mod=ctx.score_mod, dout=holder, out=out, lse=lse
-        )
-        return _outputs(self.prepared.run(inputs))
-
-
-def _kind(holder) -> tuple:
-    """What `TorchTensor.known` takes of a holder: shape, strides, dtype name, device."""
-    return holder.shape, holder.strides, holder.dtype, holder.device
-
-
-def _descriptions(tensors) -> tuple:
-    """How each tensor is laid out, with its address mod 16: what the kernels' choice and copies depend on."""
-    return tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16) for t in tensors)
+        return *grads, None, None
 
 
 def _last_contiguous(dout: torch.Tensor) -> torch.Tensor:
@@ -536,45 +332,37 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-@torch.library.custom_op("cusparseattn::attention_forward", mutates_args=())
-def _forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    layout_key: int,
-    score_key: int,
-    scale: float,
-    backend: str | None,
-    recompute: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+# Defined through `torch.library.Library` with one kernel for every device, not `torch.library.custom_op`,
+# whose per-call wrappers (an aliasing check and a dynamo guard around the kernel) cost more host time than
+# a short call's kernels take.
+_LIB = torch.library.Library("cusparseattn", "DEF")
+_LIB.define(
+    "attention_forward(Tensor q, Tensor k, Tensor v, int layout_key, int score_key, float scale, "
+    "str? backend, bool recompute) -> (Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+_LIB.define(
+    "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, int layout_key, "
+    "int score_key, float scale, str? backend) -> (Tensor, Tensor, Tensor)",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+
+
+def _forward(q, k, v, layout_key: int, score_key: int, scale: float, backend, recompute: bool):
     """``(out, lse)``, contiguous. ``recompute`` changes only what autograd saves for the backward."""
     return _outputs_of(q, k, v, _OBJECTS.get(layout_key), _OBJECTS.get(score_key), scale, backend)
 
 
-@_forward.register_fake
 def _forward_fake(q, k, v, layout_key, score_key, scale, backend, recompute):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
 
 
-@torch.library.custom_op("cusparseattn::attention_backward", mutates_args=())
-def _backward(
-    dout: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    layout_key: int,
-    score_key: int,
-    scale: float,
-    backend: str | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward(dout, q, k, v, out, lse, layout_key: int, score_key: int, scale: float, backend):
     """``(dq, dk, dv)``, contiguous, from ``dout``, the gradient of the loss with respect to ``out``."""
     layout, score_mod = _OBJECTS.get(layout_key), _OBJECTS.get(score_key)
     return _gradients(dout, q, k, v, out, lse, layout, score_mod, scale, backend)
 
 
-@_backward.register_fake
 def _backward_fake(dout, q, k, v, out, lse, layout_key, score_key, scale, backend):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
@@ -601,7 +389,15 @@ def _autograd_backward(ctx, dout, _dlse):
     return dq, dk, dv, None, None, None, None, None
 
 
-_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+for _name, _kernel, _fake in (
+    ("attention_forward", _forward, _forward_fake),
+    ("attention_backward", _backward, _backward_fake),
+):
+    _LIB.impl(_name, _kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"cusparseattn::{_name}", _fake, lib=_LIB)
+torch.library.register_autograd(
+    "cusparseattn::attention_forward", _autograd_backward, setup_context=_setup_context, lib=_LIB
+)
 
 
 class SparseAttention(torch.nn.Module):

@@ -29,7 +29,8 @@ import weakref
 import numpy as np
 
 from .arrays import wrap
-from .backends import Backend, Inputs
+from .backends import Backend, register_backend
+from .call import Inputs
 
 #: Bytes of the ``scale * q @ k^T`` band that SDPA's log-sum-exp computes at once (query rows in bands).
 CHUNK_BYTES = 64 << 20
@@ -420,3 +421,7 @@ def _rule_reasons(layout) -> list[str]:
             f"apply it ({type(err).__name__}: {err})"
         ]
     return []
+
+
+for _backend in (FlexBackend(), SdpaBackend()):
+    register_backend(_backend)

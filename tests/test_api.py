@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import cusparseattn
-from cusparseattn import api, patterns, reference
+from cusparseattn import api, call, patterns, reference
 from cusparseattn.layout import BlockLayout, TokenRule
 
 torch = pytest.importorskip("torch")
@@ -98,7 +98,7 @@ def test_block_layout_with_causal_intersects():
     np.testing.assert_allclose(out, expected(q, k, v, mask)[0], atol=TOL)
     # The same layout gives the same intersection object, so per-layout caches keep working.
     sizes = cusparseattn.arrays.Sizes(2, 4, 2, 64, 96, 16, "float32", ("cpu", 0), "numpy")
-    assert api._resolve_layout(lay, True, sizes) is api._resolve_layout(lay, True, sizes)
+    assert call.resolve_layout(lay, True, sizes) is call.resolve_layout(lay, True, sizes)
 
 
 def test_pattern_with_causal_intersects():
@@ -247,7 +247,7 @@ def test_torch_cpu_in_torch_out_zero_copy(layout, seen_by_reference):
     assert seen_by_reference["q"].ctypes.data == q.data_ptr()  # the reference read the tensor's own memory
     assert seen_by_reference["q"].strides == tuple(4 * s for s in q.stride())
     assert out.data_ptr() == seen_by_reference["out"].ctypes.data  # and its result came back without a copy
-    want = reference.forward(q.numpy(), k.numpy(), v.numpy(), api._resolve_layout(lay, True, sizes_of(q, k)))
+    want = reference.forward(q.numpy(), k.numpy(), v.numpy(), call.resolve_layout(lay, True, sizes_of(q, k)))
     np.testing.assert_array_equal(out.numpy(), want[0])
     np.testing.assert_array_equal(lse.numpy(), want[1])
 
@@ -292,7 +292,7 @@ def test_jax_functional_pair(jit):
 
     out, lse, grads = (jax.jit(pair) if jit else pair)(q, k, v, dout)
     host = [np.asarray(x) for x in (q, k, v)]
-    resolved = api._resolve_layout(lay, True, sizes_of(q, k))
+    resolved = call.resolve_layout(lay, True, sizes_of(q, k))
     want_out, want_lse = reference.forward(*host, resolved)
     np.testing.assert_array_equal(np.asarray(out), want_out)
     np.testing.assert_array_equal(np.asarray(lse), want_lse)
@@ -365,7 +365,7 @@ def test_torch_cuda_in_out_same_device_and_stream(dtype, layout, monkeypatch):
     assert launched == {"stream": stream.cuda_stream, "device": ("cuda", dev.index)}
     assert out.device == dev and lse.device == dev and out.dtype == q.dtype and lse.dtype == torch.float32
     host = [x.float().cpu().numpy().astype(np.float32) for x in (q, k, v)]
-    want, want_lse = reference.forward(*host, api._resolve_layout(lay, True, sizes_of(q, k)))
+    want, want_lse = reference.forward(*host, call.resolve_layout(lay, True, sizes_of(q, k)))
     tol = 2e-2 if dtype == "bfloat16" else 2e-3
     np.testing.assert_allclose(out.float().cpu().numpy(), want, atol=tol)
     np.testing.assert_allclose(lse.cpu().numpy(), want_lse, atol=tol)

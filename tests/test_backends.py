@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cusparseattn
-from cusparseattn import api, backends, cuda, mods, reference
+from cusparseattn import backends, call, cuda, mods, reference
 from cusparseattn.arrays import NumpyTensor
 from cusparseattn.backends import (
     Backend,
@@ -32,7 +32,7 @@ DEFAULT = ["cuda", "reference", "flex", "sdpa"]
 
 
 def inputs_of(q=Q, **kwargs):
-    return api._prepare(q, q, q, None, causal=False, scale=None, **kwargs)
+    return call.prepare(q, q, q, None, causal=False, scale=None, **kwargs)
 
 
 @pytest.fixture(autouse=True)
@@ -114,7 +114,7 @@ def test_forcing_a_backend_that_cannot_run_lists_inputs_and_reasons():
 
 def test_forcing_the_reference_runs_it():
     out = cusparseattn.attention(Q, Q, Q, backend="reference")
-    np.testing.assert_array_equal(out, reference.forward(Q, Q, Q, api._default_pattern(False).layout(40))[0])
+    np.testing.assert_array_equal(out, reference.forward(Q, Q, Q, call.default_pattern(False).layout(40))[0])
 
 
 def test_forcing_by_object_and_a_disabled_backend():
@@ -374,10 +374,8 @@ def test_inputs_carry_and_describe_the_score_mod():
     inputs = Inputs(base.q, base.k, base.v, base.layout, base.scale, score_mod=SOFTCAP)
     assert "; score_mod softcap_mod; layout BlockLayout(" in inputs.describe()
     assert "score_mod" not in base.describe()
-    assert (
-        backends.score_mod_name(type("M", (), {"fn": staticmethod(lambda s, b, h, q, k: s)})()) == "<lambda>"
-    )
-    assert backends.score_mod_name(object()) == "object"
+    assert call.score_mod_name(type("M", (), {"fn": staticmethod(lambda s, b, h, q, k: s)})()) == "<lambda>"
+    assert call.score_mod_name(object()) == "object"
 
 
 def test_the_reference_backend_passes_the_score_mod_on(monkeypatch):
@@ -391,7 +389,7 @@ def test_the_reference_backend_passes_the_score_mod_on(monkeypatch):
         return record
 
     mod = SOFTCAP
-    layout = api._default_pattern(False).layout(40)
+    layout = call.default_pattern(False).layout(40)
     want_out, want_lse = reference.forward(Q, Q, Q, layout)
     monkeypatch.setattr(reference, "forward", spy("forward", lambda *a: (want_out, want_lse)))
     monkeypatch.setattr(reference, "backward", spy("backward", lambda *a: (Q, Q, Q)))

@@ -59,8 +59,9 @@ def launches(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(cuda, "_bound", threading.local())
     fake.bound = bound  # the devices whose context a launch made current, in order
-    monkeypatch.setattr(cuda, "_streams", {})
+    cuda._stream.cache_clear()
     monkeypatch.setattr(cuda, "_tables", {})
+    monkeypatch.setattr(cuda, "_wide", {})
     monkeypatch.setattr(cuda, "_scores", {})
     monkeypatch.setattr(cuda, "compute_capability", lambda device: 80)
     monkeypatch.setattr(cuda, "max_shared", lambda device: 227 * 1024)
@@ -99,6 +100,7 @@ def launches(monkeypatch):
     cuda._kernel.cache_clear()
     yield record
     cuda._kernel.cache_clear()
+    cuda._stream.cache_clear()
 
 
 def fieldwise(tables, score, scale, **arrays) -> bytes:

@@ -208,15 +208,15 @@ def test_host_time_wraps_every_stage_and_puts_it_back():
     pytest.importorskip("torch")
     import collections
 
-    from cusparseattn import api, backends, cuda
+    from cusparseattn import backends, call, cuda
 
     host_time = _load(ROOT / "benchmarks" / "host_time.py")
-    before = (api._prepare, backends.select, backends.CudaBackend.backward, cuda._Bound.launch)
+    before = (call.prepare, backends.select, backends.CudaBackend.backward, cuda._Bound.launch)
     totals = collections.defaultdict(float)
     saved = host_time.instrument(totals)
-    assert len(saved) == len(host_time.STAGES) and api._prepare is not before[0]
+    assert len(saved) == len(host_time.STAGES) and call.prepare is not before[0]
     q = np.ones((1, 1, 8, 4))
-    api._prepare(q, q, q, None, causal=True, scale=None)
+    call.prepare(q, q, q, None, causal=True, scale=None)
     host_time.restore(saved)
-    assert set(totals) == {"api._prepare"} and totals["api._prepare"] > 0
-    assert (api._prepare, backends.select, backends.CudaBackend.backward, cuda._Bound.launch) == before
+    assert set(totals) == {"call.prepare"} and totals["call.prepare"] > 0
+    assert (call.prepare, backends.select, backends.CudaBackend.backward, cuda._Bound.launch) == before

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from oracle import backward_refs, check_close, forward_refs, random_qkv
 
-from cusparseattn import arrays, backends, patterns, reference
+from cusparseattn import arrays, backends, patterns, plans, reference
 from cusparseattn.layout import BlockLayout, TokenRule
 
 jax = pytest.importorskip("jax")
@@ -248,9 +248,27 @@ def spy_on_cuda(monkeypatch, reasons=()):
         calls["checked"] = [name for name, _ in named]
         return list(reasons)
 
+    def passes(op):
+        class Passes:
+            """`cuda.Forward` / `cuda.Backward`: counts the plans, records the holders each is made for and
+            the addresses and stream of each launch."""
+
+            def __init__(self, q, k, v, layout, scale, *, score_mod, **arrays):
+                calls["planned"] = calls.get("planned", 0) + 1
+                calls[op] = [q, k, v, *arrays.values(), layout, scale]
+
+            def run_at(self, stream, addresses):
+                calls["launched"] = (stream, addresses)
+
+            def launcher(self, dout):
+                return self.run_at
+
+        return Passes
+
     monkeypatch.setattr(cuda, "tensor_reasons", check)
-    monkeypatch.setattr(cuda, "forward", lambda *args, score_mod: calls.__setitem__("forward", args))
-    monkeypatch.setattr(cuda, "backward", lambda *args, score_mod: calls.__setitem__("backward", args))
+    monkeypatch.setattr(cuda, "Forward", passes("forward"))
+    monkeypatch.setattr(cuda, "Backward", passes("backward"))
+    plans.clear()
     return calls
 
 
@@ -279,6 +297,16 @@ def test_kernel_pass_lends_xla_buffers_and_stream_to_the_kernels(monkeypatch):
         ("out", q4, (768, 192, 8, 1), "bfloat16", ("cuda", 1), 1024, 0x5EED),
         ("lse", row, (96, 24, 1), "float32", ("cuda", 1), 1280, 0x5EED),
     ]
+    assert calls["launched"] == (0x5EED, (256, 512, 768, 1024, 1280))
+    moved = {
+        n: FakeBuffer(b.__cuda_array_interface__["shape"], 4096 * (i + 1))
+        for i, (n, b) in enumerate(bufs.items())
+    }
+    ca_jax._Kernels("forward", lay, 0.25, None, "bfloat16")(
+        FakeContext(), (moved["out"], moved["lse"]), *(moved[n] for n in "qkv")
+    )
+    # The same pass on buffers laid out alike, elsewhere: planned once, launched on the new addresses.
+    assert calls["planned"] == 1 and calls["launched"] == (0x5EED, (4096, 8192, 12288, 16384, 20480))
 
     order = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv", "stats")
     outputs = tuple(bufs[n] for n in ("dq", "dk", "dv", "stats"))
@@ -286,11 +314,19 @@ def test_kernel_pass_lends_xla_buffers_and_stream_to_the_kernels(monkeypatch):
         FakeContext(), outputs, *(bufs[n] for n in order[:6])
     )
     *holders, layout, scale = calls["backward"]
-    assert [h.name for h in holders] == list(order) and (layout, scale) == (lay, 0.25)
+    bound = ("q", "k", "v", "dout", "out", "lse", "dq", "dk", "dv", "stats")
+    assert [h.name for h in holders] == list(bound) and (layout, scale) == (lay, 0.25)
     assert calls["checked"] == list(order[:6])  # the inputs; XLA allocates the outputs
-    assert [h.data_ptr for h in holders] == [bufs[n].__cuda_array_interface__["data"][0] for n in order]
-    assert [h.dtype for h in holders] == ["float16"] * 5 + ["float32"] + ["float16"] * 3 + ["float32"]
+    assert [h.dtype for h in holders] == ["float16"] * 4 + ["float16", "float32"] + ["float16"] * 3 + [
+        "float32"
+    ]
     assert {h.stream for h in holders} == {0x5EED}
+    # XLA's order to the passes' (q, k, v, out, lse, dout, dq, dk, dv, stats)
+    passes_order = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv", "stats")
+    assert calls["launched"] == (
+        0x5EED,
+        tuple(bufs[n].__cuda_array_interface__["data"][0] for n in passes_order),
+    )
 
 
 def test_kernel_pass_refuses_buffers_the_kernels_cannot_read(monkeypatch):
@@ -387,13 +423,13 @@ def test_gpu_eager_calls_and_vmap_run_the_kernels_on_xla_buffers(monkeypatch):
     from cusparseattn import cuda
 
     gpu = jax_gpu()
-    launched, launch = [], cuda.forward
+    launched, launch = [], cuda.Forward.run_at
 
-    def spy(q, *args, **kwargs):
-        launched.append((type(q).__name__, q.device))
-        return launch(q, *args, **kwargs)
+    def spy(self, stream, addresses):
+        launched.append(("cuda", self.device))
+        return launch(self, stream, addresses)
 
-    monkeypatch.setattr(cuda, "forward", spy)
+    monkeypatch.setattr(cuda.Forward, "run_at", spy)
     rng = np.random.default_rng(3)
     host = random_qkv(rng, 2, 4, 2, 160, 160, 64, np.float16)
     q, k, v = (jax.device_put(np.ascontiguousarray(x), gpu) for x in host)
@@ -407,7 +443,7 @@ def test_gpu_eager_calls_and_vmap_run_the_kernels_on_xla_buffers(monkeypatch):
     )
     doubled, lse, batched = jax.block_until_ready((doubled, lse, batched))
     # One launch eagerly, then one per element of the vmapped axis: each on XLA's buffers (and stream).
-    assert launched == [("XlaBuffer", ("cuda", gpu.local_hardware_id))] * 3
+    assert launched == [("cuda", gpu.local_hardware_id)] * 3
     check_close("out", np.asarray(doubled) / 2, out64, out_lo, dtype="float16")
     check_close("lse", np.asarray(lse), lse64, lse_lo, dtype="float32")
     check_close("vmap out", np.asarray(batched[0]), out64, out_lo, dtype="float16")

@@ -345,9 +345,9 @@ def test_api_score_mod_and_mask_function_layouts():
         np.testing.assert_array_equal(got, ref)
     traced = mods.score_mod(score)
     assert np.array_equal(ca.attention(q, k, v, mask, score_mod=traced), out)
-    from cusparseattn import api
+    from cusparseattn import call
 
-    layout_of = api._resolve_layout  # the same function gives the same layout object (device caches)
+    layout_of = call.resolve_layout  # the same function gives the same layout object (device caches)
     sizes = ca.arrays.validate(*(ca.arrays.wrap(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))))
     assert layout_of(mask, False, sizes) is layout_of(mask, False, sizes)
     per_head = ca.attention(q, k, v, lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= 5 * h)
@@ -484,7 +484,7 @@ def test_the_cache_keeps_the_last_functions_only(traces):
 def test_mask_functions_give_new_layouts_when_their_values_change():
     """The api's layout of a mask function is cached per function, and rebuilt when what it captures changes:
     document ids refilled in place in a torch tensor (a reused buffer), or a closure number."""
-    from cusparseattn import api
+    from cusparseattn import call
 
     rng = np.random.default_rng(9)
     q, k, v = random_inputs(rng, 1, 2, 2, 256, 256, 16, np.float32)
@@ -494,13 +494,13 @@ def test_mask_functions_give_new_layouts_when_their_values_change():
     def same_document(b, h, q_idx, kv_idx):
         return docs[q_idx] == docs[kv_idx]
 
-    first = api._resolve_layout(same_document, False, sizes)
-    assert api._resolve_layout(same_document, False, sizes) is first and first.density == 1.0
+    first = call.resolve_layout(same_document, False, sizes)
+    assert call.resolve_layout(same_document, False, sizes) is first and first.density == 1.0
     docs[128:] = 1  # two documents of one 128-block each
-    second = api._resolve_layout(same_document, False, sizes)
+    second = call.resolve_layout(same_document, False, sizes)
     assert second is not first and second.density == 0.5
     window = mods.sliding_window(32)
-    narrow = api._resolve_layout(window, False, sizes)
+    narrow = call.resolve_layout(window, False, sizes)
     window.__closure__[[c.cell_contents for c in window.__closure__].index(32)].cell_contents = 96
-    wide = api._resolve_layout(window, False, sizes)
+    wide = call.resolve_layout(window, False, sizes)
     assert wide is not narrow and 96 in wide.rule.params and 32 in narrow.rule.params

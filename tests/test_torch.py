@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import math
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from kernel_cases import np_dtype, to_device, to_host
 from oracle import backward_refs, check_close, forward_refs, random_qkv
 
 import cusparseattn
-from cusparseattn import backends, patterns, reference
+from cusparseattn import backends, patterns, plans, reference
 from cusparseattn.layout import BlockLayout, TokenRule
 
 torch = pytest.importorskip("torch")
@@ -206,8 +207,9 @@ def _relaid(t):
 @pytest.mark.parametrize("how", ["prepared", "hook_copy", "hook_relaid", "strided_dout", "recompute"])
 def test_eager_backward_runs_what_the_forward_prepared(preparing, how):
     """The backward takes the prepared way when autograd hands back tensors described as the saved ones (a
-    saved-tensor hook's copy is) and the backend accepts dout; otherwise (a copy laid out anew, a dout it
-    refuses, recompute) the usual way. The gradients are the same either way."""
+    saved-tensor hook's copy is) and the backend accepts dout, or when the backward looks up a plan of its
+    own (recompute) that the backend prepares; otherwise (a copy laid out anew, a dout it refuses) the usual
+    way. The gradients are the same either way."""
     q, k, v = tensors(Sq=20, Sk=28)
     layout = patterns.causal(block=16).layout(20, 28)
     dout = torch.randn(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype).transpose(1, 2)
@@ -219,7 +221,7 @@ def test_eager_backward_runs_what_the_forward_prepared(preparing, how):
         out = ca_torch.attention(q, k, v, layout, backend="preparing", recompute=how == "recompute")
     for got, w in zip(torch.autograd.grad(out, (q, k, v), dout), want, strict=True):
         torch.testing.assert_close(got, w, rtol=1e-12, atol=1e-12)
-    assert preparing.runs == ["prepared" if how in ("prepared", "hook_copy") else "usual"]
+    assert preparing.runs == ["prepared" if how in ("prepared", "hook_copy", "recompute") else "usual"]
 
 
 def test_repeated_eager_calls_validate_and_prepare_once(preparing, monkeypatch):
@@ -274,18 +276,21 @@ def test_the_prepared_backward_asks_once_per_dout_layout(preparing):
     assert preparing.asked == [contiguous.stride(), strided.stride(), strided.stride()]
 
 
-def test_kept_calls_go_with_their_layout(preparing):
-    """A kept call holds its layout weakly (with it, the layout's device tables): it goes when the layout
-    does, and a later layout at the same address makes a call of its own."""
+def test_a_kept_plan_holds_its_layout(preparing):
+    """A kept plan holds the layout its key names by identity, so a later layout is never taken for it (its
+    id cannot be reused while the plan is kept); `plans.clear` lets the layouts go."""
     q, k, v = tensors(Sq=40, Sk=48, requires_grad=False)
     layout = sparse_layout()
     ca_torch.attention(q, k, v, layout, backend="preparing")
-    kept = len(ca_torch._calls)
+    held = weakref.ref(layout)
     del layout
     gc.collect()
-    assert len(ca_torch._calls) == kept - 1
+    assert held() is not None
     ca_torch.attention(q, k, v, sparse_layout(), backend="preparing")
     assert preparing.prepared["forward"] == 2
+    plans.clear()
+    gc.collect()
+    assert held() is None
 
 
 def test_no_torch_tensor_is_named():
@@ -564,11 +569,12 @@ def test_cuda_forward_and_backward_match_the_reference(case, dtype, cuda_only):
 @pytest.mark.gpu
 @pytest.mark.parametrize("hook", [False, True])
 def test_cuda_backward_is_prepared_in_the_forward(cuda_only, monkeypatch, hook):
-    """Eager training takes the backward that the forward prepared (unless a saved-tensor hook hands back
-    copies laid out anew), both passes launched directly on the tensors (`_Direct`): the same kernels, so
-    the same bits as the functional backward."""
+    """Eager training takes the backward that the forward prepared, or where a saved-tensor hook hands back
+    copies laid out anew, a backward plan of their own; both passes launch directly on the tensors
+    (`plans._Launch`), never through the backend's unprepared backward: the same kernels, so the same bits
+    as the functional backward."""
     usual, backward = [], backends.CudaBackend.backward
-    direct, launch = [], ca_torch._Direct.__call__
+    direct, launch = [], plans._Launch.__call__
 
     def record(self, inputs):
         usual.append(inputs)
@@ -579,7 +585,7 @@ def test_cuda_backward_is_prepared_in_the_forward(cuda_only, monkeypatch, hook):
         return launch(self, *tensors)
 
     monkeypatch.setattr(backends.CudaBackend, "backward", record)
-    monkeypatch.setattr(ca_torch._Direct, "__call__", counted)
+    monkeypatch.setattr(plans._Launch, "__call__", counted)
     rng = np.random.default_rng(7)
     host = random_qkv(rng, 2, 4, 2, 300, 300, 64, np_dtype("bfloat16"), layout="bshd")
     q, k, v = (to_device(x).requires_grad_() for x in host)
@@ -590,7 +596,7 @@ def test_cuda_backward_is_prepared_in_the_forward(cuda_only, monkeypatch, hook):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out, lse = ca_torch.attention(q, k, v, layout, return_lse=True)
     out.backward(dout)
-    assert len(usual) == hook and direct == ([3] if hook else [3, 6])  # q, k, v; then out, lse, dout too
+    assert usual == [] and direct == [3, 6]  # q, k, v; then out, lse, dout too
     with torch.no_grad():
         want = cusparseattn.attention_backward(dout, q, k, v, out, lse, layout)
     for t, w in zip((q, k, v), want, strict=True):

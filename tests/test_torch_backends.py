@@ -11,7 +11,7 @@ from kernel_cases import np_dtype, to_device, to_host
 from oracle import backward_refs, check_close, forward_refs, random_qkv
 
 import cusparseattn
-from cusparseattn import api, backends, mods, patterns, reference
+from cusparseattn import backends, call, mods, patterns, reference
 from cusparseattn.backends import current_backend, select, use_backends, why_not
 from cusparseattn.layout import BlockLayout, TokenRule
 from cusparseattn.torch_backends import FlexBackend, SdpaBackend
@@ -194,7 +194,7 @@ def test_the_torch_adapter_refuses_a_forced_flex_backward_on_the_cpu():
 
 
 def inputs_of(q, **kwargs):
-    return api._prepare(q, q, q, None, causal=False, scale=None, **kwargs)
+    return call.prepare(q, q, q, None, causal=False, scale=None, **kwargs)
 
 
 def test_reasons_for_arrays_that_are_not_torch_tensors():

@@ -25,8 +25,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .. import api as core
 from .. import backends
+from .. import call as core
 from ..arrays import DTYPES, check_layout, validate
 from ..layout import MAX_BLOCK, MIN_BLOCK, BlockLayout
 from . import ring, schedule
@@ -222,7 +222,7 @@ def _prepare(q, k, v, layout, causal, balance, group, rotate, scale, backend, sc
 
         score_mod = mods.score_mod(score_mod)  # traced once, for every window's call
     plan = _plan(lay, sched, comm, sizes)
-    call = Call(plan, core._check_scale(scale, sizes.head_dim), rotate, backend, score_mod)
+    call = Call(plan, core.check_scale(scale, sizes.head_dim), rotate, backend, score_mod)
     _check_backend(call, q, k, v, op, **extra)
     return call
 
@@ -239,7 +239,7 @@ def _check_backend(call: Call, q, k, v, op: str, **extra) -> None:
     parts = {name: x[rows] for name, x in extra.items()}
     if call.score_mod is not None:
         parts["score_mod"] = call.score_mod
-    inputs = core._prepare(q[rows], k[keys], v[keys], first.layout, causal=False, scale=call.scale, **parts)
+    inputs = core.prepare(q[rows], k[keys], v[keys], first.layout, causal=False, scale=call.scale, **parts)
     backends.select(inputs, op, call.backend)
 
 
@@ -286,7 +286,7 @@ def _layout(layout, causal: bool, seq: int, world_size: int, balance, batch=None
     if layout is None:
         return _default_pattern(causal, _default_block(seq, world_size, balance)).layout(seq)
     if callable(layout) and not isinstance(layout, (Pattern, BlockLayout)):
-        layout = core._mask_pattern(layout, batch, heads, _default_block(seq, world_size, balance))
+        layout = core.mask_pattern(layout, batch, heads, _default_block(seq, world_size, balance))
     if isinstance(layout, Pattern):
         layout = layout.layout(seq, seq)
     elif not isinstance(layout, BlockLayout):
@@ -300,7 +300,7 @@ def _layout(layout, causal: bool, seq: int, world_size: int, balance, batch=None
             f"{seq} tokens, but the layout was built for seq_q={layout.seq_q}, seq_k={layout.seq_k}; pass "
             f"pattern.layout({seq}) or the Pattern"
         )
-    return core._with_causal(layout) if causal else layout
+    return core.with_causal(layout) if causal else layout
 
 
 @functools.cache
