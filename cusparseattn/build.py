@@ -47,9 +47,8 @@ FUSED_BACKWARD_TILES = {64: [(128, 128, 12), (64, 128, 12)], 128: [(64, 128, 12)
 
 # Kernel tiles (TILE_M queries, TILE_N keys, NWARPS) per pass and padded head dim, in order of preference: a
 # device takes the first whose shared memory fits (an H100 has 227 KiB per block, an A100 163, sm_86/89 99).
-# Forward and dQ: one warp per 16 query rows; dK/dV: one warp per 16 keys. Measured on an H100 (bf16, S = 4096
-# and 16384, dense and causal): a 128 x 128 forward beat 128 x 64 by 30 % and 64 x 64 by 10-40 %; at S = 8192
-# a 128 x 128 dQ pass beat 128 x 64 by 15 % at D = 64, and 128 x 64 beat the others at D = 128.
+# Forward and dQ: one warp per 16 query rows; dK/dV: one warp per 16 keys. Each list puts the fastest tile
+# first, then smaller ones for devices with less shared memory (docs/tuning.md: TILES).
 TILES = {
     "forward": {
         64: [(128, 128, 8), (64, 64, 4)],
@@ -63,13 +62,12 @@ TILES = {
     },
     "backward_dkdv": {
         64: [(64, 128, 8), (32, 64, 4)],
-        # 64 queries per step ran 20 % faster on an H100 but spill 16 bytes of the accumulators.
+        # 32 queries per step: 64 would be faster but spill 16 bytes of the accumulators.
         128: [(32, 128, 8), (32, 64, 4)],
         256: [(32, 64, 4), (16, 32, 2)],
     },
     # One producer and two consumer warpgroups of 64 query rows (64 keys in the dK/dV pass). The dQ pass keeps
-    # S, dP and dQ in registers: key tiles of 128 fit at head dim 64 only (17 % faster than 64 at S = 4096 on
-    # an H100, dense).
+    # S, dP and dQ in registers: key tiles of 128 fit at head dim 64 only, where they beat key tiles of 64.
     "forward_sm90": {128: [(128, 128, 12)]},
     "backward_dq_sm90": {64: [(128, 128, 12), (128, 64, 12)], 128: [(128, 64, 12)]},
     "backward_dkdv_sm90": {128: [(64, 128, 12)]},
@@ -89,11 +87,8 @@ PLAIN = ("backward_stats", "backward_dq_convert", "forward_combine")
 HOPPER_HEAD_DIMS = (64, 128)
 # Buffers of each Hopper pass's ring (hopper.cuh's STAGES; the forward's of K, forward_v_stages gives V's):
 # the dK/dV pass holds a (Q, dO) slot until the next use's scores are issued, so it takes more to keep its
-# loads ahead. Three for both K and V with the forward's key tiles of 128 at head dim 128 had run, against two
-# and two Q buffers: causal x1.02 / x1.00-1.02, local1024 x1.01-1.04 at S = 16384, strided8 x1.00 to x1.05,
-# local1024 S = 4096 x0.99; a third buffer of V alone now keeps that lead beside the second Q buffer. Three at
-# head dim 64 ran x0.97-0.98 at S = 16384; on the 192-row tiles (146 KiB), x1.00 and x1.01 on dense and
-# causal at S = 16384 (5 rounds), so they keep two.
+# loads ahead. The forward keeps two of K: at head dim 128 a third buffer of V alone (forward_v_stages) keeps
+# its loads ahead beside the second Q buffer, and at head dim 64 a third buffer does not pay.
 HOPPER_STAGES = {"forward_sm90": 2, "backward_dq_sm90": 2, "backward_dkdv_sm90": 3, "backward_sm90": 2}
 ARCH = dict.fromkeys(HOPPER_STAGES, "sm_90a")
 KERNELS = tuple(TILES)
@@ -101,22 +96,17 @@ KERNELS = tuple(TILES)
 # head dim: the forward at 64 with three consumers (192 query rows), as FlashAttention-3/4, whose softmax is
 # as long as its products, which two consumers cannot both hide; at 128 with key tiles of 192
 # (FlashAttention-3 takes 176), fewer steps of fixed cost (waits, turns, the row maxima's shuffles, the
-# output's rescale) for the same products. WIDE_TILE_COST: a wide tile's time against a default one's,
-# fitted on an H100 (bf16, B = 2, H = 16, forward). At 64 (against 128 rows): dense S = 16384 ran
-# x1.07-1.10, 192 rows in 1.38 times the time; where the query length pads to 192 rows (dense S = 4096:
-# x0.95) or a row visits more keys than it needs (local1024: x0.91-0.94), they lose; causal ran x1.02-1.06,
-# strided8 x0.97-1.02; 1.34 since a row's max lags on them (LAGGING_MAX, about x1.03 on these tiles alone),
-# which took causal S = 4096 onto them (x1.04 under ncu's fixed clocks) and strided8 S = 16384 (x1.01). At
-# 128 (against 128 keys): dense S = 16384 x1.04-1.06, 192 keys in 1.44 times the time; dense S = 4096
-# x1.01, causal S = 16384 x0.96-1.03, S = 4096 x0.90. Not with a score mod (it spills: 160 registers a
-# consumer of three, and beside 192 columns of scores at 128) nor with a layout's bit masks.
+# output's rescale) for the same products. They lose where the query length pads to a wide tile or a row
+# visits more keys than it needs, so the deal weighs them: WIDE_TILE_COST is a wide tile's time against a
+# default one's, fitted on the forward's runs (docs/tuning.md: WIDE_TILE_COST). Not with a score mod (it
+# spills: 160 registers a consumer of three, and beside 192 columns of scores at 128) nor with a layout's bit
+# masks.
 WIDE_TILES = {"forward_sm90": {64: (192, 128, 16), 128: (128, 192, 12)}}
 WIDE_TILE_COST = {64: 1.34, 128: 1.44}
 # What a partial wide tile (one that crosses the layout's blocks, or its rule) costs more than a full one,
-# in full tiles: fitted on the same H100 runs with every layout on wide tiles (dense, causal, local1024,
-# strided8 at S = 4096 and 16384). At 64: 0.1-0.3. At 128: 0.7-1.3 (local1024 ran x0.62-0.69 and strided8
-# x0.44-0.61 of 128 x 128; causal 0.2-1.0): key tiles of 192 cross blocks of 128 in two of every three
-# tiles, and with one Q buffer a short row waits for its Q.
+# in full tiles, fitted on runs of every layout on wide tiles (docs/tuning.md: WIDE_PARTIAL_COST). It is
+# larger at 128: key tiles of 192 cross blocks of 128 in two of every three tiles, and with one Q buffer a
+# short row waits for its Q.
 WIDE_PARTIAL_COST = {64: 0.2, 128: 1.0}
 # The largest (TILE_M, TILE_N) of a pass with a score mod or a layout's bit masks, which keep more beside the
 # scores: the dQ passes' key tiles of 128 spill at head dim 64 with the mod's derivative or the masks' words,
@@ -153,23 +143,17 @@ def forward_v_stages(head_dim: int, tiles: tuple[int, int, int]) -> int:
     """The Hopper forward's buffers of V (its V_STAGES; K takes HOPPER_STAGES'): three with key tiles of 128
     at head dim 128, two elsewhere. V_i is held a step longer than K_i (until O += P_i V_i lands, in step
     i + 1), so a third V buffer keeps the in-order copies a tile further ahead, where a third K buffer would
-    not; with two K buffers the 227 KiB hold a second Q buffer too. On an H100 (forward, against three of
-    each and one Q buffer, 4 rounds): S = 4096 x1.01 on dense, causal, local1024 and strided8; S = 16384
-    x1.00 to x1.01, causal x0.98 (it moves by 5 % from run to run in both)."""
+    not; with two K buffers the 227 KiB hold a second Q buffer too (docs/tuning.md: forward_v_stages)."""
     return 3 if head_dim > 64 and tiles[1] <= 128 else HOPPER_STAGES["forward_sm90"]
 
 
 def forward_stage_out(head_dim: int, tiles: tuple[int, int, int]) -> bool:
     """Whether the Hopper forward writes a row's output through its Q buffer and a TMA store (its STAGE_OUT)
     instead of from registers: with two Q buffers at head dim 128 and on the 192-row tiles at 64. From
-    registers, a row end cost about 1.8 tiles' time at head dim 128 (H100, rows of a fixed number of full
-    tiles: 3.2 us a row beside 1.73 us a tile), 1.5 us of it the stores. H100 forward against one Q buffer and
-    stores from registers, 3 rounds: head dim 128 local1024 x1.055 / x1.034 (S = 4096 / 16384), strided8
-    x1.050 / x1.036, dense S = 4096 x1.025, causal x1.014 / x1.008; the 192-row tiles dense S = 16384 x1.014.
-    The 128-row tiles at head dim 64 ran local1024 x1.02-1.03 but dense S = 4096 x0.98 in two runs, so they
-    keep the stores from registers. A storer thread of the producer warpgroup (the consumers arrive on a
-    barrier once out is in the buffer; it issues the stores and hands the buffer back) ran head dim 128
-    local1024 and strided8 x0.98-0.99 of the consumers issuing their own stores (H100, 3 rounds)."""
+    registers, a row's end costs nearly two tiles' time at head dim 128, most of it the stores; the 128-row
+    tiles at head dim 64 gain nothing overall from staging and keep the stores from registers. The consumers
+    issue their own stores: a storer thread of the producer warpgroup is slower (docs/tuning.md:
+    forward_stage_out)."""
     return forward_q_buffers(head_dim, tiles) > 1 and (head_dim > 64 or tiles[0] > 128)
 
 
@@ -177,30 +161,24 @@ def forward_q_rows(head_dim: int, tiles: tuple[int, int, int]) -> int:
     """The rows of each of the Hopper forward's Q copies (its Q_ROWS, and the box of cuda.Forward's q map):
     a consumer's 64 where out is staged (forward_stage_out), so that its rows of the tile, all panels, are
     the contiguous 64-row tile that the out map's stores read; the whole query tile elsewhere (two copies of
-    64 on the 128-row tiles at head dim 64, one panel, ran local1024 S = 16384 x0.97)."""
+    64 are slower on the 128-row tiles at head dim 64, one panel)."""
     return 64 if forward_stage_out(head_dim, tiles) else tiles[0]
 
 
 def forward_split_steps(head_dim: int, tiles: tuple[int, int, int]) -> bool:
     """Whether the Hopper forward runs a full tile's step in its own copy without the mask (its SPLIT_STEPS):
     at head dim 128, and on the 192-row tiles at 64 (three consumers), where ptxas then waits for O += P V
-    partway through the softmax instead of at its top. On an H100 (forward against one copy, two runs of 3
-    rounds) on dense, causal, local1024 and strided8 at S = 4096 and 16384: x1.00 to x1.04 in one, x0.99 to
-    x1.04 in the other (local1024 S = 16384: x0.99). At head dim 64 (3 rounds, with descriptor_add64's
-    stepping there): dense and causal S = 16384 (the 192-row tiles) x1.03 and x1.02; the 128-row tiles ran
-    dense S = 4096 x0.95, causal x0.98, local1024 x0.98 to x0.99 in two copies, so they keep one."""
+    partway through the softmax instead of at its top. The 128-row tiles at head dim 64 are slower in two
+    copies and keep one (docs/tuning.md: forward_split_steps)."""
     return head_dim > 64 or tiles[0] > 128
 
 
 def forward_scaled_max(head_dim: int, tiles: tuple[int, int, int]) -> bool:
     """Whether the Hopper forward scales its scores before the row max (its SCALED_MAX: a pair at a time,
     TILE_N / 4 more FMULs a step) instead of scaling the max of the raw scores once, as FlashAttention-4
-    does. H100 forward, the max scaled once against scaled pairs, two runs of 3 rounds: query tiles of 192
-    at head dim 64 (dense and causal at S = 16384) x1.04 / x1.00 and x1.03 / x1.03; head dim 128 x0.96 to
-    x1.03, then x1.00 to x1.01. The narrow tiles at head dim 64 ran x0.95 to x0.99 on all six of their cases,
-    and keep the scaled pairs (a shorter softmax there has run slower before: ncu saw the two consumers'
-    exponentials stall on each other). With forward_split_steps' copies on the 192-row tiles, scaled pairs
-    there ran x0.97 (dense) and x1.00 (causal) at S = 16384."""
+    does: on the narrow tiles at head dim 64 only, which are slower with the max scaled once (there a shorter
+    softmax lets the two consumers' exponentials stall on each other); elsewhere scaling once is as fast or
+    faster (docs/tuning.md: forward_scaled_max)."""
     return head_dim == 64 and tiles[0] == 128
 
 
@@ -208,34 +186,26 @@ def forward_lagging_max(head_dim: int, tiles: tuple[int, int, int]) -> bool:
     """Whether the Hopper forward lets a row's max lag its scores by up to 2^8 (its LAGGING_MAX: common.cuh's
     OnlineSoftmax, FlashAttention-4's rescale threshold), rescaling the output only where a row of the warp
     moved it: on the 192-row tiles at head dim 64, where ptxas then waits for the running P V after the first
-    exponentials rather than right after the row max. H100 under ncu's fixed clocks, two runs: causal
-    S = 16384 x1.035 / x1.036, dense x1.027 / x1.029 (S = 16384) and x1.022 / x1.021 (S = 4096). Head dim 128
-    ran x0.99 to x1.02 and the 128-row tiles at 64 x0.96 to x0.98 (5 rounds): they keep the exact max, whose
-    row's largest probability rounds exactly (README: the error it costs)."""
+    exponentials rather than right after the row max. Head dim 128 and the 128-row tiles at 64 gain nothing
+    from it and keep the exact max, whose row's largest probability rounds exactly (README: the error it
+    costs; docs/tuning.md: forward_lagging_max)."""
     return head_dim == 64 and tiles[0] > 128
 
 
 def descriptor_add64(kernel: str, tiles: tuple[int, int, int]) -> bool:
     """Whether a Hopper pass steps its wgmma descriptors with one 64-bit add (its DESC_ADD64), which ptxas
     issues as one uniform UIADD3.64, instead of adding to the low word and joining the high word back in
-    (a UMOV of that word before every HGMMA). The fused backward: its loops 48 instructions shorter (1264 to
-    1216 at D = 64, 851 to 803 at 128); against the halves paired in PTX, which it had before (they had run
-    x1.00 to x1.03 against joined halves), H100 forward+backward, 3 rounds: dense and causal S = 16384 at
-    D = 64 x1.015, causal S = 16384 and dense S = 4096 at 128 x1.02, the rest x0.99 to x1.01 (S = 4096
-    local1024 is host-bound). The forward's 192-row tiles too (x1.02 alone; with forward_split_steps' copies,
-    dense S = 16384 x1.03 against x1.015 without it). Its 128-row tiles keep joined halves: so stepped (and
-    paired before it, 14 to 50 instructions shorter), they ran x0.93 to x0.95 at D = 64 (S = 4096,
-    local1024)."""
+    (a UMOV of that word before every HGMMA): the fused backward, whose loops it makes 48 instructions
+    shorter, and the forward's 192-row tiles. The forward's 128-row tiles keep joined halves, which are faster
+    there although longer (docs/tuning.md: descriptor_add64)."""
     return kernel == "backward_sm90" or (kernel == "forward_sm90" and tiles[0] > 128)
 
 
 def barrier_sleeps(kernel: str) -> bool:
     """Whether a Hopper pass's threads sleep between tries of a barrier wait until the barrier moves (its
-    BARRIER_SLEEPS: mbarrier.try_wait's suspend-time hint) rather than try again at once. The forward's
-    producer thread, waiting for a free buffer, spun 211 tries a key tile (ncu, causal D = 128 S = 16384:
-    8.6 % of the warp instructions issued). H100, ncu's fixed clocks: the forward causal and dense at
-    S = 16384, D = 128 x1.017 and x1.012, the rest x0.994 to x1.010; with the producer's waits alone asleep
-    S = 4096 ran x0.98. The backward passes keep trying: their waits asleep ran x0.97 to x0.99."""
+    BARRIER_SLEEPS: mbarrier.try_wait's suspend-time hint) rather than try again at once: the forward, whose
+    producer thread would otherwise spin many tries a key tile waiting for a free buffer, all of its threads.
+    The backward passes keep trying: they are slower asleep (docs/tuning.md: barrier_sleeps)."""
     return kernel == "forward_sm90"
 
 

@@ -431,7 +431,8 @@ class _Bound:
 def _launch(kernel: int, grid, block, shared: int, stream: int, table) -> None:
     """cuLaunchKernel of a loaded kernel (its CUfunction handle) on a raw stream handle; `table` holds the
     address of each argument's bytes, in order (the driver copies them before it returns). CuPy's kernel
-    call, which converts each argument, cost 13 us a launch against the driver's 8."""
+    call, which converts each argument, costs more host time a launch than the driver's (docs/tuning.md:
+    _launch)."""
     import cupy
 
     cupy.cuda.driver.launchKernel(kernel, *grid, *block, shared, stream, ctypes.addressof(table), 0)
@@ -463,9 +464,8 @@ def _tiled_tables(
 
 # Items per SM to a group of a persistent pass's deal (plan.work_order, plan.column_schedule). The forward:
 # the rows in flight at once come from a few heads. The fused backward deals four: the columns of more heads
-# are dealt longest first together, and an ordered add waits less for the one ranked before it. H100 S16384
-# fwd+bwd against two, 4 rounds: causal D64/D128 x1.07/x1.04, strided8 x0.97 both, local1024 and dense within
-# noise (a deal of equal columns is the same either way); eight: causal x1.08/x1.06, strided8 x0.97/x0.98.
+# are dealt longest first together, and an ordered add waits less for the one ranked before it; eight gain
+# little more (docs/tuning.md: _FORWARD_GROUP, _FUSED_BACKWARD_GROUP).
 _FORWARD_GROUP, _FUSED_BACKWARD_GROUP = 2, 4
 
 

@@ -49,8 +49,8 @@ class TilePlan:
 
 
 # A work item's cost beyond its key tiles, in key tiles: loading Q, the pipeline's fill and drain, writing the
-# output. Fitted on an H100: rows of n tiles took about n + 3 tiles' time (S = 16384, D = 128 local windows).
-# Since rows overlap (forward_sm90), about n + 1.5; dealt with 1.5, causal ran no faster (H100, within noise).
+# output, fitted on local windows. Rows now overlap (forward_sm90) and cost less, but a smaller figure deals
+# no better (docs/tuning.md: ITEM_COST).
 ITEM_COST = 3
 
 
@@ -170,18 +170,12 @@ def _jobs(counts: np.ndarray, line: int, group_items: int, ctas: int, max_parts:
     whole lines (as few as hold them all at `group_items` items a group, or more where a group's share of
     each CTA would not cover its longest item), each to the CTA that would be free first (`_place`); with
     `max_parts`, its last items split (`_split_tail`). The groups' sizes differ by a line at most: a short
-    last group starts its heavy items late, after the light ones of the group before. H100, B = 2, H = 16,
-    against groups of `group_items` and the rest: the forward (S = 4096, 32 lines in four groups of 8
-    against three of 9 and one of 5, two runs of 3 rounds) causal x1.05 / x1.05 at head dim 64 and
-    x1.03 / x1.06 at 128, strided8 x1.03 to x1.05, local1024 x1.02, dense and S = 16384 within noise; the
-    fused backward's columns (forward+backward, S = 4096 and 16384, three runs of 3-4 rounds) strided8
-    S = 16384 x1.03 / x1.03 / x1.04 at head dim 64 and x1.02 / x1.01 / x1.04 at 128, the rest x0.99 to
-    x1.01 but dense D = 64 S = 16384 once x0.96 and causal D = 128 S = 16384 once x1.03."""
+    last group starts its heavy items late, after the light ones of the group before (docs/tuning.md:
+    _jobs)."""
     lines = counts.size // line
     # A group's share of each CTA's time covers its longest item, which would otherwise start after the
-    # group before it and end alone: OpenAI's strided pattern (strided8) by key tile at S = 16384 (one long
-    # column in eight) was dealt to end 10 % past the mean; with this, 0.4 %. Its fused backward with both
-    # this and _spread_walks: x0.94 (D = 64) and x0.99 (D = 128) the kernel's time (H100, two rounds).
+    # group before it and end alone, as in OpenAI's strided pattern (strided8) by key tile, one long column in
+    # eight (docs/tuning.md: _jobs).
     cost = counts.sum() + ITEM_COST * counts.size
     longest = int(counts.max(initial=0)) + ITEM_COST
     most = max(1, -(-group_items // line), -(-longest * ctas * lines // max(cost, 1)))
@@ -535,10 +529,8 @@ def _spread_walks(
     phase + n + i: two such columns of one head meet on the tiles they share at one phase. Columns are
     taken in the order they start, each at the first entry from its diagonal on (MAX_SPREAD at most) where
     none of its visits meets one of the columns before it, else where the fewest do. Causal columns from
-    their diagonals met a third to a half of the adds of another CTA into the same tile at S = 16384; the
-    backward kernel's time on the H100 (B = 2, H = 16, torch.profiler, two rounds): causal x0.92 at D = 64
-    and x0.99 at 128 (S = 16384), x0.95 and x0.99 (S = 4096); local1024 x0.97 to x1.00. Columns of other
-    shapes keep the diagonal."""
+    their diagonals would meet a third to a half of the adds of another CTA into the same tile
+    (docs/tuning.md: _spread_walks). Columns of other shapes keep the diagonal."""
     ptr = plan.col_ptr.astype(np.int64)
     tiles = plan.col_entries[:, 0].astype(np.int64)
     runs = counts > 0

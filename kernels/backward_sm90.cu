@@ -256,9 +256,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         // buffer). With one (KV_FIRST: head dim 128, or visits of 128 queries) the next item's copies would wait
         // for that read: K and V go back at once, and the tiles are staged in the dS tiles and the item's last
         // Q or dO tile (its slot held), which go back once both consumers' copies have read them; an item
-        // without visits writes zeros from one tile. KV_FIRST against staging in K and V (H100 fwd+bwd, two runs
-        // of 3 rounds): x1.00-1.03 on the eight cases at 128; at 64 with visits of 64, where its end-of-item
-        // barriers and held slot only cost, x0.97-0.99 at S = 16384.
+        // without visits writes zeros from one tile. At head dim 64 with visits of 64 the tiles stay in K and V:
+        // there KV_FIRST's end-of-item barriers and held slot only cost (docs/tuning.md: KV_FIRST).
         named_barrier(DS_BAR, CONSUMERS * 128);
         if (KV_FIRST && threadIdx.x % 128 == 0) sh.kv_empty[kv].arrive();
         const bool visited = n > first;

@@ -400,7 +400,7 @@ struct OnlineSoftmax {
     // Turns raw scores into probabilities in place; alpha[r] is the factor that brings row r's earlier
     // output to the new max. The row's max is that of its raw scores, scaled once (the kernels take a positive
     // scale: cuda.reasons), or with `scaled_max` the max of scores scaled a pair at a time: TILE_N / 4 more
-    // FMULs, which the Hopper forward's narrow tiles at head dim 64 ran faster with (build.forward_scaled_max).
+    // FMULs, which suit the Hopper forward's narrow tiles at head dim 64 (build.forward_scaled_max).
     // With `lagging`, a row keeps its max until a tile's passes it by more than 2^MAX_LAG (FlashAttention-4's
     // rescale threshold): alpha is then exactly 1, so that most steps rescale nothing, and the probabilities
     // reach 2^MAX_LAG, which float32 sums and bf16 / fp16 hold to the same relative precision.
@@ -761,8 +761,7 @@ __device__ __forceinline__ void apply_mask(float (&s)[COLS / 8][4], const Elemen
 #if RULE_BAND
 // Sets to -inf the scores of a warp's 16 x COLS tile (rows from row0 of the query tile at q0, columns from key
 // k0) outside the rule's band, in 32-bit integers (TokenRule.narrow): two numbers a row instead of the rule at
-// each element (H100, ncu's fixed clocks: local1024 S = 4096 x1.07 at head dims 64 and 128, 5.5 % fewer warp
-// instructions).
+// each element, fewer instructions (docs/tuning.md: hide_outside_band).
 template <int COLS>
 __device__ __forceinline__ void hide_outside_band(const Params& p, float (&s)[COLS / 8][4], int b, int h, int q0,
                                                   int k0, int row0, int lane) {

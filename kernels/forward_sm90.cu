@@ -204,8 +204,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         // inlined with `masked` a constant): a full tile's has no mask, so no branch parts the wait for S from
         // the softmax, and ptxas waits for O += P V in the middle of the softmax rather than at the top of the
         // block after the mask's branch. The entry is then read a step ahead, so that the copy is chosen before
-        // the step's products are issued; one copy reads it in softmax_of, once they are (read ahead, causal
-        // S = 4096 ran x0.97 at head dim 64).
+        // the step's products are issued; one copy reads it in softmax_of, once they are (reading it ahead is
+        // slower there, at head dim 64).
         auto step = [&](int i, int2 e, bool masked) {
             take_turn(consumer);
             issue_scores_of(rows_done, uses + i);
@@ -220,11 +220,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         };
         auto entry = [&](int i) { return entries[i]; };
         // Step 0's entry and mask, and the next entry. With SPLIT_STEPS (head dim 128) they are loaded before the
-        // last row goes out, whose stores would hold them back (ncu, local1024: waits on these loads at each
-        // row's start). Against loading them after (H100 forward, two runs of 3 rounds): local1024 and strided8
-        // at S = 4096 x1.02 in both, local1024 S = 16384 x1.02 and x1.01, dense x0.99 to x1.01, causal and
-        // strided8 S = 16384 x0.97 to x1.02. At head dim 64 the narrow tiles ran dense and causal S = 4096 x0.97
-        // so (local1024 x1.03): they load them after, as before.
+        // last row goes out, whose stores would hold them back (each row's start would wait on these loads).
+        // The narrow tiles at head dim 64 load them after, where loading them first is slower (docs/tuning.md:
+        // the forward's first entry).
         const int2 first = SPLIT_STEPS ? entry(0) : int2{};
         int2 next = SPLIT_STEPS ? entry(1) : int2{};
         const TileMask<TILE_N> first_mask(p, SPLIT_STEPS ? first.y : -1, b, h, row.q0, first.x * TILE_N, rows, lane);

@@ -326,7 +326,7 @@ def test_the_hopper_forward_takes_wide_tiles_where_its_schedule_ends_sooner(
     monkeypatch, pattern, seq, head_dim, pays
 ):
     """cuda._wide_pays weighs the makespans of both tilings (B = 2, H = 16 on an H100's 132 SMs): the cases
-    measured on an H100 against 128 x 128 tiles (build.WIDE_TILES' comment) come out as they ran."""
+    measured on an H100 against 128 x 128 tiles (docs/tuning.md: WIDE_TILE_COST) come out as they ran."""
     monkeypatch.setattr(cuda, "sm_count", lambda device: 132)
     monkeypatch.setattr(cuda, "max_shared", lambda device: 227 * 1024)
     assert cuda._wide_pays("forward_sm90", pattern.layout(seq), head_dim, 2, 16, 0) is pays
