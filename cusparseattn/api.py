@@ -99,9 +99,16 @@ def attention_forward(q, k, v, layout=None, *, causal=False, scale=None, backend
 
         if adapter.compiling():  # the custom operator, which torch.compile keeps in its graph
             return adapter.attention(
-                q, k, v, layout, causal=causal, scale=scale, return_lse=True, backend=backend,
-                **({} if score_mod is None else {"score_mod": score_mod}),
-            )  # fmt: skip
+                q,
+                k,
+                v,
+                layout,
+                causal=causal,
+                scale=scale,
+                return_lse=True,
+                backend=backend,
+                score_mod=score_mod,
+            )
     plan = plans.forward(q, k, v, layout, causal=causal, scale=scale, backend=backend, score_mod=score_mod)
     return plan.run(q, k, v)
 

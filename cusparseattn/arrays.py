@@ -15,6 +15,7 @@ inside a JAX computation on a GPU (device memory and XLA's stream), so the kerne
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import ml_dtypes
@@ -584,6 +585,7 @@ def _cupy_allocator() -> Allocator:
 _ALLOCATORS = {"torch": _torch_allocator, "cupy": _cupy_allocator}
 
 
+@functools.cache
 def allocator(framework: str) -> Allocator | None:
     """The `Allocator` of a GPU framework that makes its own arrays (torch, cupy); None for the others
     (NumPy has no GPU, XLA lends its buffers)."""

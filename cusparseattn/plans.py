@@ -28,11 +28,10 @@ kept key is reused; the last `KEPT` plans are kept.
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 
 from . import backends, call, env, mods
-from .arrays import allocator, known, signature
+from .arrays import allocator, known, signature, wrap
 from .call import Inputs
 from .layout import BlockLayout
 from .patterns import Pattern
@@ -41,7 +40,6 @@ KEPT = 64
 
 _plans: collections.OrderedDict = collections.OrderedDict()
 _lock = threading.Lock()
-_builds = itertools.count()
 _built = 0
 
 
@@ -52,7 +50,8 @@ def builds() -> int:
 
 def _count() -> None:
     global _built
-    _built = next(_builds) + 1
+    with _lock:
+        _built += 1
 
 
 def kept(key: tuple, make):
@@ -169,15 +168,14 @@ class _Launch:
     arrays it makes from that framework's allocator, the launch on its current stream of the GPU. Called with
     the call's arrays, it returns those it made (the outputs first)."""
 
-    def __init__(self, direct: backends.Direct, framework: str):
+    def __init__(self, direct: backends.Direct, allocator):
         self._device, self._made, self._launch = direct.device, direct.made, direct.launch
-        self._address, self._make, self._stream = allocator(framework)
+        self._address, self._make, self._stream = allocator
 
     @classmethod
     def of(cls, direct: backends.Direct | None, framework: str) -> _Launch | None:
-        if direct is None or allocator(framework) is None:
-            return None
-        return cls(direct, framework)
+        made_by = None if direct is None else allocator(framework)
+        return None if made_by is None else cls(direct, made_by)
 
     def __call__(self, *arrays) -> list:
         device, address = self._device, self._address
@@ -222,7 +220,7 @@ class ForwardPlan:
         run it (the backward then raises, with its own arguments)."""
         if not self._backward_made:
             inputs = self.inputs(q, k, v)
-            out, lse = known(out, "out", *_described(out)), known(lse, "lse", *_described(lse))
+            out, lse = wrap(out, "out"), wrap(lse, "lse")
             inputs.out, inputs.lse, inputs.dout = out, lse, out
             try:
                 chosen, _ = backends.choose(inputs, "backward", self.backend)
@@ -232,14 +230,6 @@ class ForwardPlan:
             self._backward_made = True
             _count()
         return self._backward
-
-
-def _described(x) -> tuple:
-    """``arrays.known``'s description of a native array that this library made (C-contiguous)."""
-    from .arrays import wrap
-
-    holder = wrap(x)
-    return holder.shape, holder.strides, holder.dtype, holder.device
 
 
 class BackwardPlan:
@@ -289,7 +279,7 @@ class BackwardPlan:
         if last is not None and last[0] == signature(dout):
             taken = last[1]
         else:
-            taken = self._take(known(dout, "dout", *_described(dout)))
+            taken = self._take(wrap(dout, "dout"))
         if taken is None:
             return None
         if taken[1] is not None:
