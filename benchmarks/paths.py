@@ -45,6 +45,15 @@ Columns:
 - max |d|: the largest absolute difference of the output (train paths: dq) from that of eager (eager-train).
 - notes: the path's error or why it was skipped, a recompile during the timed calls, how host ms was held.
 
+``--floor`` adds a row "<path> floor" after each path: the same path with cusparseattn's call replaced by
+an operator that makes the outputs and launches nothing (`Floor`), registered as cusparseattn's are (a
+``torch.autograd.Function`` in eager PyTorch, a ``torch.library`` operator with its fake and autograd under
+``torch.compile``, ``buffer_callback`` in a ``jax.custom_vjp`` for JAX; CuPy's floor only allocates): the
+host time that the framework's own machinery costs such a call.
+
+``--profile N`` runs ``--calls`` more calls of each path under cProfile and prints, after the path's row,
+the N functions with the most time of their own: where the host time of a call goes.
+
 Each path imports its framework when it runs and is skipped, with the reason, when that framework or a GPU
 is missing, or when a pass would fall to the host reference; a path that raises is reported in its row and the
 others go on. cusparseattn must be importable (``pip install -e .``, or ``PYTHONPATH=.`` in the checkout).
@@ -57,10 +66,13 @@ paths of this process use.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
 import math
 import os
+import pstats
 import sys
 import time
 import traceback
@@ -393,6 +405,113 @@ def jax_train(ca, layout, host, smoke: bool) -> Runner:
     return _jax_runner(jax, fn, args, device, smoke, hold, note, lambda grads: grads[0])
 
 
+class Floor:
+    """Stands in for the cusparseattn module on the floor rows (`--floor`): ``attention(q, k, v, layout)``
+    makes out and lse (and the backward dq, dk, dv) as cusparseattn's does, through the same framework
+    machinery, and computes nothing."""
+
+    def __init__(self, ca):
+        self.backends = ca.backends  # the paths' check that cusparseattn would run the CUDA kernels
+        self._torch = self._jax = None
+
+    def attention(self, q, k, v, layout):
+        kind = type(q).__module__.split(".")[0]
+        if kind == "torch":
+            return self._torch_attention()(q, k, v)
+        if kind == "cupy":
+            import cupy
+
+            cupy.empty(q.shape[:3], cupy.float32)  # the lse, which cusparseattn makes and drops here too
+            return cupy.empty_like(q)
+        return self._jax_attention()(q, k, v)
+
+    def _torch_attention(self):
+        if self._torch is None:
+            self._torch = _torch_floor()
+        return self._torch
+
+    def _jax_attention(self):
+        if self._jax is None:
+            self._jax = _jax_floor()
+        return self._jax
+
+
+def _torch_floor():
+    import torch
+
+    def forward(q, k, v):
+        return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    def backward(dout, q, k, v, out, lse):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    class Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, lse = forward(q, k, v)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            return backward(dout, *ctx.saved_tensors)
+
+    lib = torch.library.Library("paths_bench_floor", "DEF")
+    lib.define("forward(Tensor q, Tensor k, Tensor v) -> (Tensor, Tensor)")
+    lib.define(
+        "backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse) "
+        "-> (Tensor, Tensor, Tensor)"
+    )
+    ops = torch.ops.paths_bench_floor
+    for name, kernel in (("forward", forward), ("backward", backward)):
+        lib.impl(name, kernel, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"paths_bench_floor::{name}", kernel, lib=lib)
+
+    def setup_context(ctx, inputs, output):
+        ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*inputs, *output)
+
+    def grads(ctx, dout, _dlse):
+        return ops.backward(dout, *ctx.saved_tensors)
+
+    torch.library.register_autograd("paths_bench_floor::forward", grads, setup_context=setup_context, lib=lib)
+    Floor.torch_library = lib  # the operators live as long as the process
+
+    def attention(q, k, v):
+        if torch.compiler.is_compiling():
+            return ops.forward(q, k, v)[0]
+        return Eager.apply(q, k, v)
+
+    return attention
+
+
+def _jax_floor():
+    import jax
+    from jax.experimental.buffer_callback import buffer_callback
+
+    def nothing(ctx, outputs, *args):
+        pass
+
+    def shapes(*arrays):
+        return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+
+    @jax.custom_vjp
+    def attention(q, k, v):
+        return forward(q, k, v)[0]
+
+    def forward(q, k, v):
+        lse = jax.ShapeDtypeStruct(q.shape[:3], np.float32)
+        out, lse = buffer_callback(nothing, (shapes(q)[0], lse))(q, k, v)
+        return out, (q, k, v, out, lse)
+
+    def backward(saved, dout):
+        return buffer_callback(nothing, shapes(*saved[:3]))(dout, *saved)
+
+    attention.defvjp(forward, backward)
+    return attention
+
+
 MAKERS = {
     "eager": lambda *a: torch_forward(*a, compiled=False),
     "compile": lambda *a: torch_forward(*a, compiled=True),
@@ -439,8 +558,24 @@ def held_issue(runner: Runner, calls: int, unheld_s: float) -> tuple[float, bool
     return total / calls * 1e3, held, sleep_ms
 
 
-def measure(runner: Runner, calls: int, warmup: int, row: dict) -> None:
-    """Fills `row` with the path's first-call seconds, ms a call, host ms a call and its output sample."""
+def profile(runner: Runner, calls: int, top: int) -> str:
+    """cProfile's table of `calls` more calls (synchronised once at the end): the `top` functions by the time
+    spent in them, not in what they call, per call."""
+    profiler = cProfile.Profile()
+    made = None
+    profiler.enable()
+    for _ in range(calls):
+        made = runner.call()
+    profiler.disable()
+    runner.sync(made)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
+def measure(runner: Runner, calls: int, warmup: int, row: dict, top: int = 0) -> None:
+    """Fills `row` with the path's first-call seconds, ms a call, host ms a call and its output sample (and
+    with its profile, `top` functions, if `top`)."""
     start = time.perf_counter()
     made = runner.call()
     runner.sync(made)
@@ -464,11 +599,13 @@ def measure(runner: Runner, calls: int, warmup: int, row: dict) -> None:
         row["host_ms"], row["held"], row["sleep_ms"] = held_issue(runner, calls, issued / calls)
     if before is not None:
         row["recompiles"] = runner.compiled() - before
+    if top:
+        row["profile"] = profile(runner, calls, top)
 
 
 def run_path(ca, path: str, layout, host, args, row: dict) -> None:
     try:
-        runner = MAKERS[path](ca, layout, host, args.smoke)
+        runner = MAKERS[row["path"].split()[0]](ca, layout, host, args.smoke)
     except Skipped as why:
         row["status"], row["reason"] = "skipped", str(why)
         return
@@ -479,7 +616,7 @@ def run_path(ca, path: str, layout, host, args, row: dict) -> None:
     if runner.note:
         row["notes"].append(runner.note)
     try:
-        measure(runner, args.calls, args.warmup, row)
+        measure(runner, args.calls, args.warmup, row, args.profile)
     except Exception as err:  # noqa: BLE001 - a path that fails is reported, not fatal
         _failed(row, err)
     if row.get("held") is False:
@@ -526,31 +663,36 @@ def run(args) -> list[dict]:
 
 
 def run_case(ca, case: str, seq: int, dim: int, host: dict, args) -> list[dict]:
-    """The rows of every path of `args.paths` on one case."""
+    """The rows of every path of `args.paths` on one case (each followed by its floor's, with `--floor`)."""
     layout = bench.pattern(case)  # the Pattern: built once, passed to every call of every path
     density = layout.layout(seq).density
     flops = 4 * args.batch * args.heads * seq * seq * dim * density
     rows = {}
-    for path in args.paths:
-        row = {
-            "case": case,
-            "S": seq,
-            "D": dim,
-            "B": args.batch,
-            "H": args.heads,
-            "density": density,
-            "path": path,
-            "train": path in TRAIN,
-            "calls": args.calls,
-            "warmup": args.warmup,
-            "notes": [],
-        }
-        run_path(ca, path, layout, host, args, row)
-        _free_memory()
-        if "ms" in row:
-            row["tflops"] = (bench.BACKWARD_FLOPS if row["train"] else 1) * flops / row["ms"] / 1e9
-        rows[path] = row
-        print(f"  {case} S={seq} D={dim} {path}: {_cell(row)}", file=sys.stderr, flush=True)
+    for name in args.paths:
+        for path, module in ((name, ca), (f"{name} floor", args.floor)):
+            if module is None:
+                continue
+            row = {
+                "case": case,
+                "S": seq,
+                "D": dim,
+                "B": args.batch,
+                "H": args.heads,
+                "density": density,
+                "path": path,
+                "train": name in TRAIN,
+                "calls": args.calls,
+                "warmup": args.warmup,
+                "notes": [],
+            }
+            run_path(module, path, layout, host, args, row)
+            _free_memory()
+            if "ms" in row and module is ca:
+                row["tflops"] = (bench.BACKWARD_FLOPS if row["train"] else 1) * flops / row["ms"] / 1e9
+            rows[path] = row
+            print(f"  {case} S={seq} D={dim} {path}: {_cell(row)}", file=sys.stderr, flush=True)
+            if "profile" in row:
+                print(row.pop("profile"), file=sys.stderr, flush=True)
     _compare(rows)
     return list(rows.values())
 
@@ -558,7 +700,7 @@ def run_case(ca, case: str, seq: int, dim: int, host: dict, args) -> list[dict]:
 def _compare(case_rows: dict) -> None:
     """Each row's ratio to its baseline's ms and the largest difference of its sample from the baseline's."""
     for row in case_rows.values():
-        base = case_rows.get(BASELINE[row["path"]])
+        base = case_rows.get(BASELINE.get(row["path"]))  # a floor's outputs are not computed: no ratio
         if base is None or "ms" not in base or "ms" not in row:
             continue
         row["ratio"] = row["ms"] / base["ms"]
@@ -660,6 +802,14 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--calls", type=_count(1), help="timed calls per path (default 50)")
     parser.add_argument("--warmup", type=_count(0), help="calls after the first, before timing (default 5)")
     parser.add_argument("--json", type=Path, help="write every row to this file")
+    parser.add_argument("--floor", action="store_true", help="a floor row after each path (see above)")
+    parser.add_argument(
+        "--profile",
+        type=_count(1),
+        default=0,
+        metavar="N",
+        help="print each path's cProfile: its top N functions",
+    )
     parser.add_argument("--smoke", action="store_true", help="B=1 H=2 S=256 D=32, 2 calls, on the CPU")
     args = parser.parse_args(argv)
     smoke = SMOKE if args.smoke else {}
@@ -669,6 +819,7 @@ def main(argv=None) -> list[dict]:
     args.calls = args.calls or smoke.get("calls", 50)
     args.warmup = smoke.get("warmup", 5) if args.warmup is None else args.warmup
 
+    args.floor = Floor(__import__("cusparseattn")) if args.floor else None
     start = time.perf_counter()
     rows = run(args)
     versions = _versions()
@@ -681,6 +832,7 @@ def main(argv=None) -> list[dict]:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        settings["floor"] = args.floor is not None
         report = {"versions": versions, "args": settings, "rows": rows}
         args.json.write_text(json.dumps(report, indent=1))
     return rows

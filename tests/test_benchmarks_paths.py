@@ -48,3 +48,16 @@ def test_unknown_paths_are_refused(paths, capsys):
     with pytest.raises(SystemExit):
         paths.main(["--paths", "eager,sdpa"])
     assert "--paths must be a comma-separated subset" in capsys.readouterr().err
+
+
+def test_floor_rows_follow_their_paths(paths):
+    """--floor: each path's row is followed by its floor's, the same machinery around an operator that
+    computes nothing: no ratio, no TFLOP/s (it does no attention), a host time of its own."""
+    rows = paths.main(["--smoke", "--cases", "causal", "--paths", "eager,jax-train", "--floor"])
+    assert [r["path"] for r in rows] == ["eager", "eager floor", "jax-train", "jax-train floor"]
+    for r in rows:
+        assert r["status"] == "ok", r.get("traceback")
+        assert r["host_ms"] > 0
+    floors = [r for r in rows if r["path"].endswith(" floor")]
+    assert all("ratio" not in r and "tflops" not in r for r in floors)
+    assert floors[1]["train"]
