@@ -77,8 +77,8 @@ TILES = {
         kernel: {d: [edge_tiles(t) for t in ts] for d, ts in FUSED_BACKWARD_TILES.items()}
         for kernel in ("backward_stats", "backward_dq_convert")
     },
-    # The Hopper forward's split rows (plan.work_order), by its query tiles: edge_tiles of its own and of its
-    # WIDE_TILES.
+    # The Hopper forward's split rows (schedule.work_order), by its query tiles: edge_tiles of its own and
+    # of its WIDE_TILES.
     "forward_combine": {64: [(128, 64, 8), (192, 64, 12)], 128: [(128, 64, 8)]},
 }
 # Passes that read no layout and no score mod: one kernel serves every layout (cuda.py builds them plain).
@@ -323,7 +323,7 @@ class KernelSpec:
     rule_mode: str = "none"
     rule_expr: str | None = None
     score: tuple[str, str] | None = None  # a score mod's C expression and its derivative
-    split_rows: bool = False  # the Hopper forward: its deal splits rows (plan.work_order), its SPLIT_ROWS
+    split_rows: bool = False  # the Hopper forward: its deal splits rows (schedule.work_order), its SPLIT_ROWS
 
     @classmethod
     def make(

@@ -14,7 +14,7 @@ import weakref
 
 import numpy as np
 
-from . import build, env, plan, tma
+from . import build, env, plan, schedule, tma
 from .arrays import CupyTensor, contiguous_strides
 from .layout import BlockLayout
 
@@ -180,26 +180,27 @@ class DeviceTables:
         self.passes: dict[tuple, _Pass] = {}  # `_pass`: the passes over these tables, by call sizes
 
     def work(self, batch: int, heads: int, ctas: int, group_items: int, max_parts: int = 0) -> dict:
-        """A persistent pass's schedule for `batch` x `heads` on `ctas` CTAs (plan.work_order), on the
+        """A persistent pass's schedule for `batch` x `heads` on `ctas` CTAs (schedule.work_order), on the
         device, by the Params field of each of its arrays: ``work`` (the items), ``parts`` and ``split_ptr``
         (its split rows' parts, none without `max_parts`), as `_Pass` takes them."""
         import cupy
 
         key = ("rows", batch, heads, ctas, group_items, max_parts)
         if key not in self._work:
-            s = plan.work_order(self.plan, *self.layout_lines, batch, heads, ctas, group_items, max_parts)
+            s = schedule.work_order(self.plan, *self.layout_lines, batch, heads, ctas, group_items, max_parts)
             arrays = {"work": s.table, "parts": s.parts, "split_ptr": s.split_ptr}
             self._work[key] = {field: cupy.asarray(a) for field, a in arrays.items()}
         return self._work[key]
 
     def columns(self, batch: int, heads: int, group: int, ctas: int, group_items: int) -> dict:
-        """The fused backward's schedule (plan.column_schedule) on the device, by the Params field of each
+        """The fused backward's schedule (schedule.column_schedule) on the device, by the Params field of each
         of its arrays."""
         import cupy
 
         key = ("columns", batch, heads, group, ctas, group_items)
         if key not in self._work:
-            s = plan.column_schedule(self.plan, *self.layout_lines, batch, heads, group, ctas, group_items)
+            lines = self.layout_lines
+            s = schedule.column_schedule(self.plan, *lines, batch, heads, group, ctas, group_items)
             arrays = {"work": s.table, "col_start": s.start, "rank_ptr": s.rank_ptr, "ranks": s.ranks}
             self._work[key] = {field: cupy.asarray(a) for field, a in arrays.items()}
         return self._work[key]
@@ -462,10 +463,10 @@ def _tiled_tables(
     return device_tables(layout, tiles[0], tiles[1], device), tiles
 
 
-# Items per SM to a group of a persistent pass's deal (plan.work_order, plan.column_schedule). The forward:
-# the rows in flight at once come from a few heads. The fused backward deals four: the columns of more heads
-# are dealt longest first together, and an ordered add waits less for the one ranked before it; eight gain
-# little more (docs/tuning.md: _FORWARD_GROUP, _FUSED_BACKWARD_GROUP).
+# Items per SM to a group of a persistent pass's deal (schedule.work_order, schedule.column_schedule). The
+# forward: the rows in flight at once come from a few heads. The fused backward deals four: the columns of
+# more heads are dealt longest first together, and an ordered add waits less for the one ranked before it;
+# eight gain little more (docs/tuning.md: _FORWARD_GROUP, _FUSED_BACKWARD_GROUP).
 _FORWARD_GROUP, _FUSED_BACKWARD_GROUP = 2, 4
 
 
@@ -474,7 +475,7 @@ def _wide_pays(
 ) -> bool:
     """Whether the persistent `kernel`'s wide tiles (build.WIDE_TILES), where `build.tile_config` allows them
     (not with a score mod or bit masks), would finish this call sooner than its default ones: the makespans
-    of their schedules (plan.makespan, as `Forward` deals them), a wide tile weighted by
+    of their schedules (schedule.makespan, as `Forward` deals them), a wide tile weighted by
     build.WIDE_TILE_COST and a partial one by build.WIDE_PARTIAL_COST more. Tiles that hold too many of the
     layout's cells never pay."""
     key = (kernel, head_dim, batch, heads, score is not None)
@@ -497,7 +498,7 @@ def _wide_schedule_pays(
     def span(tiles, partial_cost=0) -> float:
         counts = plan.visits(layout, *tiles[:2], partial_cost)
         ctas = min(batch * heads * counts.shape[2], sms)
-        return plan.makespan(counts, batch, heads, ctas, _FORWARD_GROUP * sms, ctas)
+        return schedule.makespan(counts, batch, heads, ctas, _FORWARD_GROUP * sms, ctas)
 
     return build.WIDE_TILE_COST[padded] * span(wide, build.WIDE_PARTIAL_COST[padded]) < span(narrow)
 

@@ -1,7 +1,7 @@
 // Block-sparse flash attention, the whole backward for Hopper (sm_90a) in one pass: dK, dV and dQ, after the
 // row statistics (lse * log2(e) and delta = rowsum(dO * O)) are in the scratch (backward_stats.cu).
 //
-// Persistent: a CTA walks its items of the schedule (plan.column_schedule; entries blockIdx.x,
+// Persistent: a CTA walks its items of the schedule (schedule.column_schedule; entries blockIdx.x,
 // blockIdx.x + gridDim.x, ... up to a -1): every (batch element, key/value head, key tile), visiting the
 // column of each query head of the group in turn, each column from its diagonal on. Three warpgroups.
 // - Warp 0 of the producer copies an item's K and V tiles once and streams each visit's Q, dO and statistics

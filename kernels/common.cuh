@@ -90,7 +90,7 @@ struct Params {
     const int* work;                            // persistent passes: (batch, head, tile) items, heaviest first
     int work_count;
     int rule_narrow;                            // RULE_EXPR: evaluate the rule in int (cuda.py: rule_narrow)
-    const int* col_start;                       // fused backward (plan.column_schedule): per call column
+    const int* col_start;                       // fused backward (schedule.column_schedule): per call column
     const long long* rank_ptr;                  // its first rank
     const int* ranks;                           // each visit's rank among its query tile's adds
     int dq_unordered;                           // fused backward: its dQ adds in any order (cuda.py)
@@ -126,7 +126,7 @@ __device__ __forceinline__ Span column_span(const Params& p, int b, int h, int t
 // row's span of entries (a part of a split row: its part of them).
 struct Row {
     int b, h, q0, begin, end;  // end, not a count: taking a row does no arithmetic on loads still in flight
-    int part;                  // of a split row (plan.work_order; its slot of the scratch), or -1
+    int part;                  // of a split row (schedule.work_order; its slot of the scratch), or -1
 };
 
 // A persistent CTA's work items: entries blockIdx.x, blockIdx.x + gridDim.x, ... of the work list (cuda.py:
@@ -471,7 +471,7 @@ __device__ __forceinline__ void finish_lse(const Params& p, const OnlineSoftmax&
     }
 }
 
-// A split row's part (plan.work_order) in its slot of the scratch (p.stats): TILE_M lse, then out = acc / l,
+// A split row's part (schedule.work_order) in its slot of the scratch (p.stats): TILE_M lse, then out = acc / l,
 // [TILE_M][HEAD_DIM] fp32, for the combine pass (forward_combine.cu). `row0`: the warp's first row in the tile.
 constexpr int PART_SLOT = TILE_M * (HEAD_DIM + 1);
 __device__ __forceinline__ void store_part(const Params& p, const OnlineSoftmax& sm, const float (&o)[HEAD_DIM / 8][4],

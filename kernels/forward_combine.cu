@@ -1,7 +1,7 @@
-// The forward's last pass where its deal split rows (plan.work_order): each split row's out and lse from its
+// The forward's last pass where its deal split rows (schedule.work_order): each split row's out and lse from its
 // parts', which forward_sm90.cu left in their slots of the scratch (store_part: lse, then out = acc / l):
 // lse = log sum_i exp(lse_i), out = sum_i exp(lse_i - lse) out_i. Grid: (split rows, TILE_M / NWARPS), a warp
-// for each query row; a lane holds the weights of parts lane and lane + 32 (plan.SPLIT_COUNTS: 64 parts a row
+// for each query row; a lane holds the weights of parts lane and lane + 32 (schedule.SPLIT_COUNTS: 64 parts a row
 // at most) and makes two columns at a time.
 #include "common.cuh"
 

@@ -1,7 +1,7 @@
 // Block-sparse flash attention, forward pass for Hopper (sm_90a): TMA copies, warpgroup MMAs and a producer
 // warpgroup that only loads.
 //
-// Persistent: one CTA per SM walks its part of the schedule (plan.work_order: every (batch element, query
+// Persistent: one CTA per SM walks its part of the schedule (schedule.work_order: every (batch element, query
 // head, query tile), dealt heaviest row first to the CTA that would be free first), entries blockIdx.x,
 // blockIdx.x + gridDim.x, ... up to a -1, each item's row read a step ahead (Walk). A producer warpgroup
 // and one consumer warpgroup for each 64 query rows: two, or three at head dim 64, whose softmax takes as
@@ -20,7 +20,7 @@
 // the row is written out while that S is in flight, so that short rows (narrow windows, S = 4096) keep the
 // tensor cores busy. Writes out [B, Hq, Sq, D] (o_map: tiles of 64 rows) and lse [B, Hq, Sq] as forward.cu
 // does. With SPLIT_ROWS, the deal's last rows may come as parts of their entries, dealt to several CTAs so
-// that no SM waits for a last round of few rows (plan.work_order): a part's lse and out = acc / l go to its
+// that no SM waits for a last round of few rows (schedule.work_order): a part's lse and out = acc / l go to its
 // slot of the scratch in fp32 (store_part), and forward_combine.cu then writes those rows.
 #include "hopper.cuh"
 

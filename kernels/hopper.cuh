@@ -444,7 +444,7 @@ __device__ __forceinline__ void add_share(float* tile, const float* part, unsign
 
 // ---- a key tile's column ------------------------------------------------------------------------------------
 // The uses of a key tile by the backward, in order: the entries of its layout column for each query head of
-// the group in turn. SCHEDULED (the fused backward, plan.column_schedule): each column's entries from its
+// the group in turn. SCHEDULED (the fused backward, schedule.column_schedule): each column's entries from its
 // col_start on, wrapping around, and each visit's rank among the adds into its query tile.
 template <bool SCHEDULED>
 struct ColumnWalk {

@@ -38,8 +38,8 @@ CASES = [
     ("random bits bf16 d64", torch.bfloat16, 64, 1, 200, None),
     # The fused backward at head dim 128 stages an empty key tile's zeros apart from its K and V.
     ("random bits bf16 d128", torch.bfloat16, 128, 2, 300, None),
-    # On three SMs the Hopper forward's deal splits its last row into parts (plan.work_order): their outputs
-    # go to a scratch, and a combine pass writes the row.
+    # On three SMs the Hopper forward's deal splits its last row into parts (schedule.work_order): their
+    # outputs go to a scratch, and a combine pass writes the row.
     ("dense bf16 d128 split", torch.bfloat16, 128, 2, 2176, patterns.dense(block=128)),
     ("dense fp16 d64 wide split", torch.float16, 64, 1, 2048, patterns.dense(block=128)),
 ]

@@ -262,7 +262,7 @@ def test_hopper_gpus_run_the_hopper_forward_with_four_tma_maps(
     items = 8 * tiles_q
     assert grid == (min(items, sms), 1, 1) and nargs == 5  # the parameters, then q, k, v and out maps
     (tables,) = cuda._tables[id(layout)].values()
-    work = tables.work(2, 4, min(items, sms), 2 * sms, min(items, sms))["work"]  # plan.work_order deals it
+    work = tables.work(2, 4, min(items, sms), 2 * sms, min(items, sms))["work"]  # work_order deals it
     assert args[0]["work"] == work.data.ptr and args[0]["work_count"] == work.size
     assert sorted(work.host[work.host >= 0]) == list(range(items)) and work.size % grid[0] == 0
     if sms == 132 and not wide:  # one item per CTA in the order dealt: each line's last query tile first

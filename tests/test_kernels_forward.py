@@ -230,12 +230,13 @@ def test_the_persistent_hopper_forward_walks_many_items_per_cta(sms, kind, monke
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("kind", ["dense", "causal", "bits"])
 def test_the_hopper_forward_splits_its_last_rows(kind, head_dim, wide, monkeypatch):
-    """Rows that would start once the first CTA is idle split into parts (plan.work_order; sm_count patched
-    to the first number of SMs, from 2, whose deal splits some): each part's fp32 output and lse go to a
-    scratch, and a combine pass writes the rows, every element of them (the outputs are poisoned). No mask,
-    a rule's C expression (causal) and bit masks (a rule without one, in every block: 128 x 128 tiles);
-    ragged query and key lengths, GQA, a [B, S, H, D] view, a layout of one batch element or of every head."""
-    from cusparseattn import TokenRule, cuda, plan
+    """Rows that would start once the first CTA is idle split into parts (schedule.work_order; sm_count
+    patched to the first number of SMs, from 2, whose deal splits some): each part's fp32 output and lse go
+    to a scratch, and a combine pass writes the rows, every element of them (the outputs are poisoned). No
+    mask, a rule's C expression (causal) and bit masks (a rule without one, in every block: 128 x 128
+    tiles); ragged query and key lengths, GQA, a [B, S, H, D] view, a layout of one batch element or of
+    every head."""
+    from cusparseattn import TokenRule, cuda, schedule
 
     launched = hopper_path(monkeypatch, True)
     monkeypatch.setattr(cuda, "_wide_pays", lambda *args: wide)
@@ -257,8 +258,8 @@ def test_the_hopper_forward_splits_its_last_rows(kind, head_dim, wide, monkeypat
 
     def splits(sms: int) -> bool:
         ctas = min(items, sms)
-        schedule = plan.work_order(tables.plan, *tables.layout_lines, batch, heads, ctas, 2 * sms, ctas)
-        return len(schedule.parts) > 0
+        dealt = schedule.work_order(tables.plan, *tables.layout_lines, batch, heads, ctas, 2 * sms, ctas)
+        return len(dealt.parts) > 0
 
     sms = next(n for n in range(2, items) if splits(n))
     monkeypatch.setattr(cuda, "sm_count", lambda device: sms)
