@@ -180,9 +180,9 @@ def _kernels_of(name: str):
 
 
 def _on_hopper(device: int) -> bool:
-    from cusparseattn import cuda
+    from cusparseattn import devices
 
-    return not cuda.hopper_device_reasons(device)
+    return not devices.hopper_device_reasons(device)
 
 
 def measure_case(case: str, q, k, v, backward: bool, names=PEERS, repeats: int = 1) -> dict:

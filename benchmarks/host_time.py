@@ -39,10 +39,10 @@ STAGES = [
     ("backends", "CudaBackend.prepare_backward"),
     ("backends", "_CudaForward.run"),
     ("backends", "_CudaBackward.run"),
-    ("cuda", "hopper_reasons"),
+    ("devices", "hopper_reasons"),
     ("cuda", "_tiled_tables"),
-    ("cuda", "_Bound.launch"),
-    ("cuda", "_launch"),
+    ("launches", "Bound.launch"),
+    ("launches", "launch_kernel"),
 ]
 
 

@@ -31,9 +31,9 @@ _SLACK = {"float16": 1e-3, "bfloat16": 8e-3, "float32": 1e-5}
 
 
 def _gpu_reasons() -> list[str]:
-    from . import cuda
+    from . import devices
 
-    return cuda.available()
+    return devices.available()
 
 
 def _inputs(shape, dtype: str, on_gpu: bool):
@@ -138,7 +138,7 @@ def _gpu_lines() -> list[str]:
         return [f"GPU: none usable ({'; '.join(reasons)})"]
     import cupy
 
-    from . import build, cuda, env
+    from . import build, devices, env
 
     runtime = cupy.cuda.runtime
     lines = [
@@ -152,7 +152,7 @@ def _gpu_lines() -> list[str]:
             f"GPU {i}: {name}, compute capability {props['major']}.{props['minor']}, "
             f"{props['totalGlobalMem'] / 2**30:.1f} GiB, {props['multiProcessorCount']} SMs"
         )
-        hopper = cuda.hopper_device_reasons(i)
+        hopper = devices.hopper_device_reasons(i)
         if hopper:
             lines.append(f"  kernels: portable (mma.sync); not Hopper: {'; '.join(hopper)}")
             continue

@@ -220,24 +220,28 @@ class CudaBackend(Backend):
         return cuda
 
     def available(self):
-        cuda = self._module()
-        return ["the CUDA kernels are not built into this version"] if cuda is None else cuda.available()
+        if self._module() is None:
+            return ["the CUDA kernels are not built into this version"]
+        from . import devices
+
+        return devices.available()
 
     def not_supported_reasons(self, inputs, op):
-        cuda = self._module()
-        if cuda is None:
+        if self._module() is None:
             return ["the CUDA kernels are not built into this version"]
+        from . import devices
+
         reasons = []
         if not inputs.on_gpu:
             reasons.append(f"the inputs are on {device_name(inputs.device)}, not on a CUDA device")
-        reasons += cuda.available()
-        reasons += cuda.reasons(inputs.dtype, inputs.head_dim, inputs.scale)
+        reasons += devices.available()
+        reasons += devices.reasons(inputs.dtype, inputs.head_dim, inputs.scale)
         if not reasons:
-            reasons += cuda.device_reasons(inputs.device[1])
+            reasons += devices.device_reasons(inputs.device[1])
         if not reasons:
             # A traced JAX array has no memory yet: cusparseattn.jax checks XLA's buffers when they arrive.
             concrete = [(h.name, h) for h in inputs.holders() if not getattr(h, "traced", False)]
-            reasons += cuda.tensor_reasons(*concrete)
+            reasons += devices.tensor_reasons(*concrete)
         return reasons
 
     def forward(self, inputs):

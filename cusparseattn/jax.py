@@ -192,14 +192,14 @@ class _Kernels(_Pass):
         order: `_INPUTS`, then `_KERNEL_OUTPUTS`), after a check of the inputs: traced arrays had no memory to
         check when the backend was chosen. XLA's buffers are dense and aligned; the check (the outputs are
         XLA's own) turns a surprise into an error instead of a misaligned access."""
-        from . import cuda
+        from . import cuda, devices
 
         names = _INPUTS[self.op] + _KERNEL_OUTPUTS[self.op]
         arrays = {
             name: XlaBuffer(buffer, name, "float32" if name in ("lse", "stats") else self.dtype, stream)
             for name, buffer in zip(names, buffers, strict=True)
         }
-        reasons = cuda.tensor_reasons(*((name, arrays[name]) for name in _INPUTS[self.op]))
+        reasons = devices.tensor_reasons(*((name, arrays[name]) for name in _INPUTS[self.op]))
         if reasons:
             raise ValueError("the CUDA kernels cannot read XLA's buffers: " + "; ".join(reasons))
         q, k, v = arrays.pop("q"), arrays.pop("k"), arrays.pop("v")

@@ -1016,12 +1016,12 @@ GPU_CLASSIFY_PAIRS = 1 << 26
 
 def _gpu() -> bool:
     try:
-        from . import cuda
+        from . import devices
     except ModuleNotFoundError as err:
-        if err.name != f"{__package__}.cuda":
+        if err.name != f"{__package__}.devices":
             raise
         return False
-    return not cuda.available()
+    return not devices.available()
 
 
 def _classify_blocks(rule, batch: int, heads: int, seq_q: int, seq_k: int, block_size: tuple[int, int]):
@@ -1032,11 +1032,11 @@ def _classify_blocks(rule, batch: int, heads: int, seq_q: int, seq_k: int, block
     where the rule's result does not vary along them.
     """
     if rule.c_expr is not None and batch * heads * seq_q * seq_k >= GPU_CLASSIFY_PAIRS and _gpu():
-        from . import cuda
+        from . import cuda, devices
 
         uses = getattr(rule.fn, "variables", {"b", "h"})
         nb, nh = (batch if "b" in uses else 1), (heads if "h" in uses else 1)
-        return cuda.classify_blocks(rule, nb, nh, seq_q, seq_k, block_size, cuda.current_device())
+        return cuda.classify_blocks(rule, nb, nh, seq_q, seq_k, block_size, devices.current_device())
     (bq, bk), nq, nk = block_size, -(-seq_q // block_size[0]), -(-seq_k // block_size[1])
     b = np.arange(batch)[:, None, None, None]
     h = np.arange(heads)[None, :, None, None]

@@ -94,18 +94,18 @@ def hopper_path(monkeypatch, hopper: bool) -> list[str]:
     """Sends this test's launches to the Hopper kernels (or, with hopper=False, to the portable ones through
     CUSPARSEATTN_HOPPER=0) and returns the list that records each launched kernel's name. Skips off compute
     capability 9.0."""
-    from cusparseattn import cuda
+    from cusparseattn import devices, launches
 
-    if cuda.compute_capability(0) != 90:
+    if devices.compute_capability(0) != 90:
         pytest.skip("the Hopper kernels need compute capability 9.0")
     monkeypatch.setenv("CUSPARSEATTN_HOPPER", "1" if hopper else "0")
-    launched, launch = [], cuda._Bound.launch
+    launched, launch = [], launches.Bound.launch
 
     def record(self, *args, **kwargs):
         launched.append(self.kernel)
         return launch(self, *args, **kwargs)
 
-    monkeypatch.setattr(cuda._Bound, "launch", record)
+    monkeypatch.setattr(launches.Bound, "launch", record)
     return launched
 
 

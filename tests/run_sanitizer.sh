@@ -8,7 +8,7 @@ export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 # On an H100/H200 the cases run through the Hopper kernels (the two backward passes), the fused Hopper backward, then
 # the portable ones.
 modes="${*:-portable}"
-if [ $# -eq 0 ] && python3 -c "from cusparseattn import cuda; raise SystemExit(cuda.compute_capability(0) != 90)"; then
+if [ $# -eq 0 ] && python3 -c "from cusparseattn import devices; raise SystemExit(devices.compute_capability(0) != 90)"; then
     modes="hopper fused portable"
 fi
 for mode in $modes; do

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 import cusparseattn as ca
-from cusparseattn import BlockLayout, TokenRule, cuda, patterns
+from cusparseattn import BlockLayout, TokenRule, cuda, devices, patterns
 
 
 def random_layout(seq: int) -> BlockLayout:
@@ -49,7 +49,7 @@ def main() -> None:
     for name, dtype, dim, group, seq, pattern in CASES:
         # Two SMs' worth of persistent CTAs (three to split rows): each walks many work items, reusing its
         # buffers and barriers.
-        cuda.sm_count = lambda device, sms=(3 if "split" in name else 2): sms
+        devices.sm_count = lambda device, sms=(3 if "split" in name else 2): sms
         cuda._wide_pays = lambda *args, wide="wide" in name: wide
         layout = random_layout(seq) if pattern is None else pattern.layout(seq)
         q = torch.randn(2, seq, 4, dim, device="cuda", dtype=dtype).transpose(1, 2)

@@ -338,15 +338,15 @@ def test_docstring_examples(module):
 
 def spy_on_kernel(monkeypatch) -> dict:
     """Record the stream and device that the CUDA forward launches on."""
-    from cusparseattn import cuda
+    from cusparseattn import cuda, launches
 
-    launched, run = {}, cuda._run
+    launched, run = {}, launches.run_launches
 
     def spy(device, launches, stream, addresses):
         launched.update(stream=stream, device=("cuda", device))
         return run(device, launches, stream, addresses)
 
-    monkeypatch.setattr(cuda, "_run", spy)
+    monkeypatch.setattr(cuda, "run_launches", spy)
     return launched
 
 

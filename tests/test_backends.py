@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cusparseattn
-from cusparseattn import backends, call, cuda, mods, reference
+from cusparseattn import backends, call, devices, mods, reference
 from cusparseattn.arrays import NumpyTensor
 from cusparseattn.backends import (
     Backend,
@@ -76,15 +76,15 @@ def test_the_reference_is_chosen_on_the_cpu():
 def test_cuda_reasons_here_say_why():
     reasons = why_not(Q, Q, Q)["cuda"]
     assert reasons[0] == "the inputs are on cpu, not on a CUDA device"
-    if cuda.available():  # no GPU or no CuPy on this machine: the module's own words follow
-        assert set(cuda.available()) <= set(reasons)
-        assert any("CuPy" in r or "CUDA" in r for r in cuda.available())
+    if devices.available():  # no GPU or no CuPy on this machine: the module's own words follow
+        assert set(devices.available()) <= set(reasons)
+        assert any("CuPy" in r or "CUDA" in r for r in devices.available())
     assert why_not(Q, Q, Q)["reference"] == []
 
 
 def test_cuda_reasons_carry_the_kernels_limits():
     q = Q.astype(np.float64)
-    assert set(cuda.reasons("float64", 16)) <= set(why_not(q, q, q)["cuda"])
+    assert set(devices.reasons("float64", 16)) <= set(why_not(q, q, q)["cuda"])
     # The backward asks the same questions of q, k, v as the forward.
     assert why_not(q, q, q, op="backward")["cuda"] == why_not(q, q, q)["cuda"]
 
@@ -97,7 +97,7 @@ def test_cuda_module_missing(monkeypatch):
 
 
 def test_available_says_what_holds_for_any_inputs():
-    assert backends.BACKENDS["cuda"].available() == cuda.available()
+    assert backends.BACKENDS["cuda"].available() == devices.available()
     assert backends.BACKENDS["reference"].available() == []
 
 
@@ -432,7 +432,7 @@ def gpu_inputs():
 
 
 def test_gpu_inputs_fall_back_with_one_warning_per_reason(monkeypatch):
-    monkeypatch.setattr(cuda, "available", lambda: ["no CUDA GPU is visible"])
+    monkeypatch.setattr(devices, "available", lambda: ["no CUDA GPU is visible"])
     with pytest.warns(RuntimeWarning) as record:
         chosen = select(gpu_inputs(), "forward")
     assert chosen.name == "reference"
@@ -443,7 +443,7 @@ def test_gpu_inputs_fall_back_with_one_warning_per_reason(monkeypatch):
         warnings.simplefilter("error")
         select(gpu_inputs(), "forward")  # the same reasons again: no second warning
         select(gpu_inputs(), "backward")
-    monkeypatch.setattr(cuda, "available", lambda: ["CuPy is not installed"])
+    monkeypatch.setattr(devices, "available", lambda: ["CuPy is not installed"])
     with pytest.warns(RuntimeWarning, match="because cuda: CuPy is not installed$"):
         select(gpu_inputs(), "forward")  # another reason: warned once more
     out, lse = chosen.forward(gpu_inputs())
@@ -451,7 +451,7 @@ def test_gpu_inputs_fall_back_with_one_warning_per_reason(monkeypatch):
 
 
 def test_the_warning_names_every_backend_passed_over(monkeypatch):
-    monkeypatch.setattr(cuda, "available", lambda: ["no CUDA GPU is visible"])
+    monkeypatch.setattr(devices, "available", lambda: ["no CUDA GPU is visible"])
     register_backend(Never("fast", "it is too tired"), priority=0)
     with pytest.warns(RuntimeWarning) as record:
         select(gpu_inputs(), "forward")
@@ -487,16 +487,18 @@ def test_no_warning_on_the_cpu_or_when_the_reference_is_asked_for():
 
 
 def test_fallback_warning_points_at_the_callers_line(monkeypatch):
-    monkeypatch.setattr(cuda, "available", lambda: ["no CUDA GPU is visible"])
+    monkeypatch.setattr(devices, "available", lambda: ["no CUDA GPU is visible"])
     with pytest.warns(RuntimeWarning) as record:
         select(gpu_inputs(), "forward")
     assert record[0].filename == __file__
 
 
 def test_cuda_takes_positive_scales_only():
-    assert cuda.reasons("float16", 64, 0.5) == []
+    assert devices.reasons("float16", 64, 0.5) == []
     for scale in (0.0, -1.0):
-        assert cuda.reasons("float16", 64, scale) == [f"the CUDA kernels take a positive scale, got {scale}"]
+        assert devices.reasons("float16", 64, scale) == [
+            f"the CUDA kernels take a positive scale, got {scale}"
+        ]
 
 
 # ---- GPU ----------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import cusparseattn
-from cusparseattn import backends, cuda
+from cusparseattn import backends, devices
 from cusparseattn.__main__ import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,11 +27,11 @@ def test_demo_runs_checks_and_names_its_backend():
     assert lines[-1] == "PASS"
     assert any(line.startswith("max error vs the float64 reference: ") for line in lines)
     backend = next(line for line in lines if line.startswith("backend: "))
-    if cuda.available():
+    if devices.available():
         # No GPU here: the demo says it ran the reference, and why the kernels could not run.
         assert backend == "backend: reference"
         why = next(line for line in lines if line.startswith("  not cuda: "))
-        assert all(reason in why for reason in cuda.available())
+        assert all(reason in why for reason in devices.available())
     else:
         assert backend == "backend: cuda"
 
@@ -43,7 +43,7 @@ def test_info_runs():
     assert f"cusparseattn {cusparseattn.__version__}" in out and "numpy: " in out and "jax: " in out
     assert "backends, in priority order: cuda, reference, flex, sdpa\n" in out
     assert "  reference: can run" in out
-    if cuda.available():
+    if devices.available():
         assert "GPU: none usable" in out and "  cuda: cannot run: " in out
 
 
@@ -55,7 +55,7 @@ def test_info_describes_every_backend_and_what_it_can_run(capsys):
         line = next(line for line in lines if line.startswith(f"  {name}: {backend.description}; "))
         missing = backend.available()
         assert line.endswith("available here" if not missing else "not available here: " + "; ".join(missing))
-    where = "cuda" if not cuda.available() and torch.cuda.is_available() else "cpu"
+    where = "cuda" if not devices.available() and torch.cuda.is_available() else "cpu"
     assert f"q, k, v float16 [1, 4, 256, 64], torch tensors on {where}:" in lines
     assert "  sdpa: can run" in lines
     if where == "cpu":
@@ -76,7 +76,7 @@ def test_info_without_pytorch_uses_numpy_and_says_why(monkeypatch, capsys):
         and line.endswith("not available here: PyTorch is not installed")
         for line in lines
     )
-    kind = "numpy arrays" if cuda.available() else "cupy arrays"
+    kind = "numpy arrays" if devices.available() else "cupy arrays"
     assert f"q, k, v float32 [1, 4, 256, 64], {kind}:" in lines
     assert "  flex: cannot run: PyTorch is not installed" in lines
 
@@ -158,8 +158,8 @@ def test_info_says_which_kernels_each_gpu_runs(monkeypatch, fused):
     monkeypatch.setitem(
         sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime, nvrtc=nvrtc))
     )
-    monkeypatch.setattr(cuda, "available", lambda: [])
-    monkeypatch.setattr(cuda, "compute_capability", lambda device: [90, 80][device])
+    monkeypatch.setattr(devices, "available", lambda: [])
+    monkeypatch.setattr(devices, "compute_capability", lambda device: [90, 80][device])
     monkeypatch.delenv("CUSPARSEATTN_HOPPER", raising=False)
     monkeypatch.delenv("CUSPARSEATTN_FUSED_BACKWARD", raising=False)
     if fused:

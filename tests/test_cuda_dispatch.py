@@ -15,7 +15,18 @@ import weakref
 import numpy as np
 import pytest
 
-from cusparseattn import BlockLayout, TokenRule, build, cuda, mods, patterns, tma
+from cusparseattn import (
+    BlockLayout,
+    TokenRule,
+    build,
+    cuda,
+    devices,
+    gpu_tables,
+    mods,
+    patterns,
+    tma,
+)
+from cusparseattn import launches as kernel_launches
 
 
 class FakeDeviceArray:
@@ -57,15 +68,15 @@ def launches(monkeypatch):
     )
     bound = []
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(cuda, "_bound", threading.local())
+    monkeypatch.setattr(kernel_launches, "_bound", threading.local())
     fake.bound = bound  # the devices whose context a launch made current, in order
-    cuda._stream.cache_clear()
-    monkeypatch.setattr(cuda, "_tables", {})
+    kernel_launches.cupy_stream.cache_clear()
+    monkeypatch.setattr(gpu_tables, "_tables", {})
     monkeypatch.setattr(cuda, "_wide", {})
-    monkeypatch.setattr(cuda, "_scores", {})
-    monkeypatch.setattr(cuda, "compute_capability", lambda device: 80)
-    monkeypatch.setattr(cuda, "max_shared", lambda device: 227 * 1024)
-    monkeypatch.setattr(cuda, "sm_count", lambda device: 132)
+    monkeypatch.setattr(gpu_tables, "_scores", {})
+    monkeypatch.setattr(devices, "compute_capability", lambda device: 80)
+    monkeypatch.setattr(devices, "max_shared", lambda device: 227 * 1024)
+    monkeypatch.setattr(devices, "sm_count", lambda device: 132)
     monkeypatch.delenv("CUSPARSEATTN_HOPPER", raising=False)
     # The Hopper backward's two passes; the fused backward's test takes the default.
     monkeypatch.setenv("CUSPARSEATTN_FUSED_BACKWARD", "0")
@@ -96,11 +107,11 @@ def launches(monkeypatch):
 
     fake.streams = []  # the stream of each launch
     monkeypatch.setattr(build, "load", load)
-    monkeypatch.setattr(cuda, "_launch", launch)
-    cuda._kernel.cache_clear()
+    monkeypatch.setattr(kernel_launches, "launch_kernel", launch)
+    kernel_launches.loaded_kernel.cache_clear()
     yield record
-    cuda._kernel.cache_clear()
-    cuda._stream.cache_clear()
+    kernel_launches.loaded_kernel.cache_clear()
+    kernel_launches.cupy_stream.cache_clear()
 
 
 def fieldwise(tables, score, scale, **arrays) -> bytes:
@@ -138,14 +149,14 @@ def test_forward_packs_every_field(launches):
     assert name == build.KernelSpec("forward", "bfloat16", dim, tiles, "expr", layout.rule.c_expr).name
     assert grid == (-(-seq // tiles[0]), 4, 2) and block == (tiles[2] * 32, 1, 1)
     assert shared == build.shared_bytes("forward", dim, tiles) and maps == []
-    tables = cuda.device_tables(layout, tiles[0], tiles[1], 0)
+    tables = gpu_tables.device_tables(layout, tiles[0], tiles[1], 0)
     assert args[0].tobytes() == fieldwise(tables, None, 0.125, q=q, k=k, v=v, out=out, lse=lse)
 
 
 def test_device_tables_hold_one_entry_past_the_last_rows(launches):
     # The Hopper forward reads each row's next entry without a bound check.
     layout = patterns.causal(block=64).layout(300)
-    tables = cuda.device_tables(layout, 128, 128, 0)
+    tables = gpu_tables.device_tables(layout, 128, 128, 0)
     entries = tables.arrays["entries"].host
     assert np.array_equal(entries[:-1], tables.plan.entries) and entries[-1].tolist() == [0, -1]
     assert np.array_equal(tables.arrays["row_ptr"].host, tables.plan.row_ptr)
@@ -162,7 +173,7 @@ def test_backward_packs_both_passes_and_a_score_mod(launches):
     cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, layout, 0.5, score_mod=score_mod)
     (dq_name, *_, dq_args, _, _), (kv_name, *_, kv_args, _, _) = launches
     assert dq_name.startswith("backward_dq_") and kv_name.startswith("backward_dkdv_")
-    score = cuda.score_tables(score_mod, 0)
+    score = gpu_tables.score_tables(score_mod, 0)
     assert np.frombuffer(score.fields[64:96], np.float32)[: len(score_mod.float_params)].tolist() == list(
         np.float32(score_mod.float_params)
     )
@@ -171,7 +182,7 @@ def test_backward_packs_both_passes_and_a_score_mod(launches):
     arrays = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, stats=stats, dq=dq, dk=dk, dv=dv)
     for kernel, args in (("backward_dq", dq_args), ("backward_dkdv", kv_args)):
         tiles = build.tile_config(kernel, dim, score=True)
-        tables = cuda.device_tables(layout, tiles[0], tiles[1], 0)
+        tables = gpu_tables.device_tables(layout, tiles[0], tiles[1], 0)
         assert args[0].tobytes() == fieldwise(tables, score, 0.5, **arrays), kernel
 
 
@@ -192,7 +203,7 @@ def test_a_cached_launch_builds_no_spec(launches, monkeypatch):
 
 @pytest.mark.parametrize("hopper", [False, True], ids=["portable", "hopper"])
 def test_a_second_call_reuses_the_passes_and_packs_its_own_arrays(launches, monkeypatch, hopper):
-    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90 if hopper else 80)
+    monkeypatch.setattr(devices, "compute_capability", lambda device: 90 if hopper else 80)
     seq, dim = 256, 64
     layout = patterns.causal(block=64).layout(seq)
     for call in range(2):
@@ -211,13 +222,13 @@ def test_a_second_call_reuses_the_passes_and_packs_its_own_arrays(launches, monk
         for (name, *_, args, _, _), arrays in zip(launches[3 * call :], expected, strict=True):
             kernel = name.split("_bf16")[0]
             tiles = build.tile_config(kernel, dim)
-            tables = cuda.device_tables(layout, tiles[0], tiles[1], 0)
+            tables = gpu_tables.device_tables(layout, tiles[0], tiles[1], 0)
             packed = np.frombuffer(bytearray(args[0].tobytes()), build.PARAMS)[0]
             packed["work"], packed["work_count"] = 0, 0  # the forward's schedule: test_hopper_gpus_run...
             packed["parts"], packed["split_ptr"] = 0, 0
             assert packed.tobytes() == fieldwise(tables, None, 0.25, **arrays), name
     # One pass each, made in the first call, bound once to arrays laid out as these (addresses apart).
-    passes = [p for entries in cuda._tables[id(layout)].values() for p in entries.passes.values()]
+    passes = [p for entries in gpu_tables._tables[id(layout)].values() for p in entries.passes.values()]
     assert sorted(p.kernel for p in passes) == sorted(name.split("_bf16")[0] for name, *_ in launches[:3])
     assert [len(p._bound) for p in passes] == [1, 1, 1]
 
@@ -248,8 +259,8 @@ def _forward(head_dim, seq=300, pattern=None, out_kwargs=None, **kwargs):
 def test_hopper_gpus_run_the_hopper_forward_with_four_tma_maps(
     launches, monkeypatch, head_dim, sms, seq, wide
 ):
-    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90)
-    monkeypatch.setattr(cuda, "sm_count", lambda device: sms)
+    monkeypatch.setattr(devices, "compute_capability", lambda device: 90)
+    monkeypatch.setattr(devices, "sm_count", lambda device: sms)
     if wide:  # as if wide tiles ran in half the time of 128 x 128: they pay wherever they may run
         monkeypatch.setattr(build, "WIDE_TILE_COST", dict.fromkeys(build.HOPPER_HEAD_DIMS, 0.5))
     layout = _forward(head_dim, seq, patterns.dense(block=128) if wide else patterns.causal(block=64))
@@ -261,7 +272,7 @@ def test_hopper_gpus_run_the_hopper_forward_with_four_tma_maps(
     tiles_q = -(-seq // tm)
     items = 8 * tiles_q
     assert grid == (min(items, sms), 1, 1) and nargs == 5  # the parameters, then q, k, v and out maps
-    (tables,) = cuda._tables[id(layout)].values()
+    (tables,) = gpu_tables._tables[id(layout)].values()
     work = tables.work(2, 4, min(items, sms), 2 * sms, min(items, sms))["work"]  # work_order deals it
     assert args[0]["work"] == work.data.ptr and args[0]["work_count"] == work.size
     assert sorted(work.host[work.host >= 0]) == list(range(items)) and work.size % grid[0] == 0
@@ -283,8 +294,8 @@ def test_a_hopper_forward_that_splits_rows_points_them_at_a_scratch_and_combines
     forward is built with SPLIT_ROWS and both it and the combine pass (a warp for each query row of each split
     row) read the schedule's parts and a scratch that q's framework makes: a slot a part of TILE_M lse and
     TILE_M x D outputs in fp32. The backward's arrays stay unbound (0)."""
-    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90)
-    monkeypatch.setattr(cuda, "sm_count", lambda device: 3)
+    monkeypatch.setattr(devices, "compute_capability", lambda device: 90)
+    monkeypatch.setattr(devices, "sm_count", lambda device: 3)
     seq, dim = 2176, 128
     q, k, v = Holder((2, 4, seq, dim)), Holder((2, 2, seq, dim)), Holder((2, 2, seq, dim))
     out, lse = Holder((2, 4, seq, dim)), Holder((2, 4, seq), dtype="float32")
@@ -327,8 +338,8 @@ def test_the_hopper_forward_takes_wide_tiles_where_its_schedule_ends_sooner(
 ):
     """cuda._wide_pays weighs the makespans of both tilings (B = 2, H = 16 on an H100's 132 SMs): the cases
     measured on an H100 against 128 x 128 tiles (docs/tuning.md: WIDE_TILE_COST) come out as they ran."""
-    monkeypatch.setattr(cuda, "sm_count", lambda device: 132)
-    monkeypatch.setattr(cuda, "max_shared", lambda device: 227 * 1024)
+    monkeypatch.setattr(devices, "sm_count", lambda device: 132)
+    monkeypatch.setattr(devices, "max_shared", lambda device: 227 * 1024)
     assert cuda._wide_pays("forward_sm90", pattern.layout(seq), head_dim, 2, 16, 0) is pays
     assert not cuda._wide_pays("forward", pattern.layout(seq), head_dim, 2, 16, 0)  # the portable pass
 
@@ -344,7 +355,7 @@ def test_the_hopper_forward_takes_wide_tiles_where_its_schedule_ends_sooner(
     ids=["head-dim-96", "misaligned", "misaligned-out", "turned-off"],
 )
 def test_the_portable_forward_takes_what_tma_cannot(launches, monkeypatch, head_dim, kwargs, env):
-    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90)
+    monkeypatch.setattr(devices, "compute_capability", lambda device: 90)
     if env is not None:
         monkeypatch.setenv("CUSPARSEATTN_HOPPER", env)
     _forward(head_dim, **kwargs)
@@ -355,12 +366,14 @@ def test_the_portable_forward_takes_what_tma_cannot(launches, monkeypatch, head_
 def test_other_gpus_run_the_portable_kernels(launches):
     _forward(128)
     assert launches[0][0].startswith("forward_bf16")
-    assert cuda.hopper_device_reasons(0) == ["the Hopper kernels need compute capability 9.0, cuda:0 has 8.0"]
+    assert devices.hopper_device_reasons(0) == [
+        "the Hopper kernels need compute capability 9.0, cuda:0 has 8.0"
+    ]
 
 
 @pytest.mark.parametrize("head_dim", build.HOPPER_HEAD_DIMS)
 def test_hopper_backward_passes_take_query_and_key_tiles_of_their_own(launches, monkeypatch, head_dim):
-    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90)
+    monkeypatch.setattr(devices, "compute_capability", lambda device: 90)
     seq = 300
     q, dout, out, dq = (Holder((2, 4, seq, head_dim)) for _ in range(4))
     k, v, dk, dv = (Holder((2, 2, seq, head_dim)) for _ in range(4))
@@ -386,15 +399,15 @@ def test_hopper_backward_passes_take_query_and_key_tiles_of_their_own(launches, 
 # Visits of 128 queries at head dim 64, 64 at 128.
 @pytest.mark.parametrize(("head_dim", "tm"), [(64, 128), (128, 64)])
 def test_the_fused_backward_launches_three_passes_over_a_larger_scratch(launches, monkeypatch, head_dim, tm):
-    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90)
-    monkeypatch.setattr(cuda, "sm_count", lambda device: 5)
+    monkeypatch.setattr(devices, "compute_capability", lambda device: 90)
+    monkeypatch.setattr(devices, "sm_count", lambda device: 5)
     seq = 300
     assert cuda.stats_shape((2, 4, seq, head_dim), 0) == (2, 4, 2, 384)  # CUSPARSEATTN_FUSED_BACKWARD=0
     monkeypatch.delenv("CUSPARSEATTN_FUSED_BACKWARD")  # the default
     # The statistics, then the dQ sums (D rows of the padded length: whole tiles) and a row of counters.
     assert cuda.stats_shape((2, 4, seq, head_dim), 0) == (2, 4, 2 + head_dim + 1, 384)
     # Not on a GPU without the Hopper kernels, nor at a head dim they do not take.
-    monkeypatch.setattr(cuda, "compute_capability", lambda device: [90, 80][device])
+    monkeypatch.setattr(devices, "compute_capability", lambda device: [90, 80][device])
     assert cuda.stats_shape((2, 4, seq, head_dim), 1) == (2, 4, 2, 384)
     assert cuda.stats_shape((2, 4, seq, 96), 0) == (2, 4, 2, 384)
     held = _arrays(seq, head_dim, 0x1000000)
@@ -414,7 +427,7 @@ def test_the_fused_backward_launches_three_passes_over_a_larger_scratch(launches
     assert grid == (5, 1, 1) and shared == build.shared_bytes("backward_sm90", head_dim, (tm, 128, 12))
     # q, k, v and dout copied in; dK and dV written out, 64 keys (a consumer warpgroup's) a copy.
     assert [m[2][1] for m in maps] == [tm, 128, 128, tm, 64, 64]
-    (tables,) = (t for key, t in cuda._tables[id(layout)].items() if key[:2] == (tm, 128))
+    (tables,) = (t for key, t in gpu_tables._tables[id(layout)].items() if key[:2] == (tm, 128))
     # 2 x 2 kv heads x 3 key tiles: 12 items on 5 CTAs, dealt in groups of four items per SM
     columns = tables.columns(2, 4, 2, 5, 4 * 5)
     for field in ("work", "col_start", "rank_ptr", "ranks"):
@@ -458,7 +471,7 @@ def _arrays(seq: int, dim: int, base: int) -> dict:
 def test_passes_prepared_once_launch_what_each_call_launches(launches, monkeypatch, hopper):
     """A Forward and a Backward made for one call's arrays launch, on another call's arrays described alike
     (addresses apart), exactly what `forward` and `backward` launch on those."""
-    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90 if hopper else 80)
+    monkeypatch.setattr(devices, "compute_capability", lambda device: 90 if hopper else 80)
     seq, dim = 300, 64
     layout = patterns.causal(block=64).layout(seq)
     first, second = _arrays(seq, dim, 0x40000000), _arrays(seq, dim, 0x80000000)
@@ -487,7 +500,7 @@ def test_passes_prepared_once_launch_what_each_call_launches(launches, monkeypat
 def test_a_prepared_backward_takes_each_dout_layout_as_it_comes(launches, monkeypatch, hopper):
     """A Backward made before dout exists runs on douts of any strides (a transposed view of the output's
     gradient is common): each launch packs that dout's strides and, on Hopper, describes it for TMA."""
-    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90 if hopper else 80)
+    monkeypatch.setattr(devices, "compute_capability", lambda device: 90 if hopper else 80)
     seq, dim = 256, 64
     layout = patterns.causal(block=64).layout(seq)
     arrays = _arrays(seq, dim, 0x40000000)
@@ -510,7 +523,7 @@ def test_a_prepared_backward_takes_each_dout_layout_as_it_comes(launches, monkey
 def test_prepared_passes_keep_no_array(launches, monkeypatch, hopper):
     """A Forward or Backward kept for later calls holds descriptions, not the arrays it was made from (PyTorch
     keeps them per call signature: the first call's tensors must not live as long)."""
-    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90 if hopper else 80)
+    monkeypatch.setattr(devices, "compute_capability", lambda device: 90 if hopper else 80)
     seq, dim = 256, 64
     layout = patterns.causal(block=64).layout(seq)
     arrays = _arrays(seq, dim, 0x40000000)
@@ -553,8 +566,8 @@ def test_direct_launches_over_addresses_are_what_runs_on_holders_launch(launches
     makes (`made`: outputs, then scratch, C-contiguous) and launch over raw addresses (`Forward.launch`,
     `Backward.launcher`) exactly what `run` launches on holders at those addresses. On 3 SMs the Hopper
     forward splits rows: its scratch is the third array made."""
-    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90 if hopper else 80)
-    monkeypatch.setattr(cuda, "sm_count", lambda device: sms)
+    monkeypatch.setattr(devices, "compute_capability", lambda device: 90 if hopper else 80)
+    monkeypatch.setattr(devices, "sm_count", lambda device: sms)
     seq, dim = (2176 if sms == 3 else 256), 128
     layout = patterns.dense(block=128).layout(seq)
     held = _arrays(seq, dim, 0x40000000)
@@ -593,8 +606,8 @@ def test_direct_launches_over_addresses_are_what_runs_on_holders_launch(launches
 def test_a_launch_builds_its_arguments_once_per_tuple_of_addresses(launches, monkeypatch, hopper):
     """The arguments (parameters with the addresses, TMA descriptors) of a launch at addresses seen before are
     the kept ones: no descriptor is encoded again. Past `_Bound.KEPT` tuples, all are forgotten."""
-    monkeypatch.setattr(cuda, "compute_capability", lambda device: 90 if hopper else 80)
-    monkeypatch.setattr(cuda._Bound, "KEPT", 3)
+    monkeypatch.setattr(devices, "compute_capability", lambda device: 90 if hopper else 80)
+    monkeypatch.setattr(kernel_launches.Bound, "KEPT", 3)
     encoded, encode = [], tma._tile_map
 
     def counted(*args):

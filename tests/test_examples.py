@@ -208,10 +208,10 @@ def test_host_time_wraps_every_stage_and_puts_it_back():
     pytest.importorskip("torch")
     import collections
 
-    from cusparseattn import backends, call, cuda
+    from cusparseattn import backends, call, launches
 
     host_time = _load(ROOT / "benchmarks" / "host_time.py")
-    before = (call.prepare, backends.select, backends.CudaBackend.backward, cuda._Bound.launch)
+    before = (call.prepare, backends.select, backends.CudaBackend.backward, launches.Bound.launch)
     totals = collections.defaultdict(float)
     saved = host_time.instrument(totals)
     assert len(saved) == len(host_time.STAGES) and call.prepare is not before[0]
@@ -219,4 +219,4 @@ def test_host_time_wraps_every_stage_and_puts_it_back():
     call.prepare(q, q, q, None, causal=True, scale=None)
     host_time.restore(saved)
     assert set(totals) == {"call.prepare"} and totals["call.prepare"] > 0
-    assert (call.prepare, backends.select, backends.CudaBackend.backward, cuda._Bound.launch) == before
+    assert (call.prepare, backends.select, backends.CudaBackend.backward, launches.Bound.launch) == before

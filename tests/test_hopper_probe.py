@@ -19,9 +19,9 @@ SOURCE = env.kernels_dir().parent / "tests" / "hopper_probe.cu"
 def _module(dtype: str, head_dim: int):
     import cupy
 
-    from cusparseattn import cuda
+    from cusparseattn import devices
 
-    if cuda.compute_capability(0) != 90:
+    if devices.compute_capability(0) != 90:
         pytest.skip("the Hopper primitives need compute capability 9.0")
     spec = build.KernelSpec.make("backward_dkdv_sm90", dtype, head_dim)
     source = spec.prelude() + build._inline("hopper.cuh") + SOURCE.read_text()

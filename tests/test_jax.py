@@ -240,7 +240,7 @@ class FakeContext:
 
 def spy_on_cuda(monkeypatch, reasons=()):
     """Record the kernel launches instead of running them; ``reasons`` is what the buffer check answers."""
-    from cusparseattn import cuda
+    from cusparseattn import cuda, devices
 
     calls = {}
 
@@ -265,7 +265,7 @@ def spy_on_cuda(monkeypatch, reasons=()):
 
         return Passes
 
-    monkeypatch.setattr(cuda, "tensor_reasons", check)
+    monkeypatch.setattr(devices, "tensor_reasons", check)
     monkeypatch.setattr(cuda, "Forward", passes("forward"))
     monkeypatch.setattr(cuda, "Backward", passes("backward"))
     plans.clear()

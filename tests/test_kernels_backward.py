@@ -196,12 +196,12 @@ def test_fused_backward(kind, head_dim, dtype, deterministic, monkeypatch):
     test_both_kernels_of_a_hopper_gpu checks the two passes (CUSPARSEATTN_FUSED_BACKWARD=0); and the same bits
     from a second run (dK and dV only under CUSPARSEATTN_DETERMINISTIC=0, on 132 CTAs whose adds into dQ race:
     sums that start at zero in a scratch poisoned with NaN, zeros for the query tiles no key tile visits)."""
-    from cusparseattn import cuda
+    from cusparseattn import devices
 
     launched = hopper_path(monkeypatch, True)
     monkeypatch.delenv("CUSPARSEATTN_FUSED_BACKWARD", raising=False)
     monkeypatch.setenv("CUSPARSEATTN_DETERMINISTIC", "1" if deterministic else "0")
-    monkeypatch.setattr(cuda, "sm_count", lambda device: 3 if deterministic else 132)
+    monkeypatch.setattr(devices, "sm_count", lambda device: 3 if deterministic else 132)
     rng = np.random.default_rng(13)
     q, k, v = random_qkv(rng, 2, 4, 2, 300, 333, head_dim, np_dtype(dtype), "bshd")
     layout = layout_for(kind, rng, 2, 4, 300, 333, 64)

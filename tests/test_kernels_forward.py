@@ -56,9 +56,9 @@ def test_forward_matches_reference(case):
 def test_builtin_rules_compile_as_expressions(name, dtype, narrow, monkeypatch):
     """The built-in patterns' rules reach the kernel as C expressions (no bit masks), and are right, in the
     32-bit arithmetic that their values allow (TokenRule.narrow) and in 64-bit."""
-    from cusparseattn import TokenRule, cuda, plan
+    from cusparseattn import TokenRule, gpu_tables, plan
 
-    monkeypatch.setattr(cuda, "_tables", {})  # the device tables hold the choice: make them again
+    monkeypatch.setattr(gpu_tables, "_tables", {})  # the device tables hold the choice: make them again
     if not narrow:
         monkeypatch.setattr(TokenRule, "narrow", lambda self, positions: False)
 
@@ -149,20 +149,20 @@ def test_the_hopper_forward_takes_wide_tiles(kind, block, seq_q, seq_k, head_dim
     whose warps each mask their own rows (common.cuh's TileMask: whole, empty, by the rule or by bits); ragged
     keys (333) or whole key tiles (512), padded query tiles (400), GQA, a [B, S, H, D] view, CTAs that walk
     many items in turn (3 SMs) or one each. A layout's bit masks keep 128 x 128."""
-    from cusparseattn import cuda
+    from cusparseattn import cuda, devices, gpu_tables
 
     launched = hopper_path(monkeypatch, True)
     monkeypatch.setattr(cuda, "_wide_pays", lambda *args: True)
     seed = ["dense", "causal", "local", "random", "random_rule"].index(kind) * 8 + block // 64 + seq_q % 7
     rng = np.random.default_rng(seed)
-    monkeypatch.setattr(cuda, "sm_count", lambda device: [3, 132][seed % 2])
+    monkeypatch.setattr(devices, "sm_count", lambda device: [3, 132][seed % 2])
     dtype = DTYPES[seed // 2 % 2]
     print(f"seed {seed}, {dtype}")
     q, k, v = random_qkv(rng, 2, 4, 2, seq_q, seq_k, head_dim, np_dtype(dtype), "bshd")
     layout = layout_for(kind, rng, 2, 4, seq_q, seq_k, block)
     assert_matches(q, k, v, layout, dtype)
     tiles = (128, 128) if kind == "random_rule" else build.WIDE_TILES["forward_sm90"][head_dim][:2]
-    assert launched[0] == "forward_sm90" and list(cuda._tables[id(layout)]) == [(*tiles, 0)]
+    assert launched[0] == "forward_sm90" and list(gpu_tables._tables[id(layout)]) == [(*tiles, 0)]
     assert launched[1:] in ([], ["forward_combine"])  # split rows (test_the_hopper_forward_splits_...)
 
 
@@ -172,7 +172,7 @@ def test_the_wide_hopper_forward_lets_a_row_max_lag(kind, dtype, monkeypatch):
     """The 192-row tiles at head dim 64 keep a row's max until a tile's passes it by more than 2^8
     (build.forward_lagging_max): keys scaled tile by tile so that the max rises by less than that and by
     more, and falls, from one key tile to the next; probabilities up to 2^8, as close as the reference."""
-    from cusparseattn import cuda
+    from cusparseattn import cuda, gpu_tables
 
     launched = hopper_path(monkeypatch, True)
     monkeypatch.setattr(cuda, "_wide_pays", lambda *args: True)
@@ -183,7 +183,7 @@ def test_the_wide_hopper_forward_lets_a_row_max_lag(kind, dtype, monkeypatch):
     k = (k.astype(np.float32) * gains[:, None]).astype(k.dtype)
     layout = layout_for(kind, rng, 2, 4, 1000, 1000, 64)
     assert_matches(q, k, v, layout, dtype)
-    assert launched[0] == "forward_sm90" and list(cuda._tables[id(layout)]) == [(192, 128, 0)]
+    assert launched[0] == "forward_sm90" and list(gpu_tables._tables[id(layout)]) == [(192, 128, 0)]
 
 
 @pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
@@ -214,10 +214,10 @@ def test_the_hopper_forward_masks_a_band_by_its_bounds(rule, head_dim, wide, mon
 def test_the_persistent_hopper_forward_walks_many_items_per_cta(sms, kind, monkeypatch):
     """On a GPU of few SMs (sm_count patched), each CTA of the Hopper forward takes many items in turn, with
     empty rows among them: its rings, Q buffer and turns carry on from item to item."""
-    from cusparseattn import cuda
+    from cusparseattn import devices
 
     launched = hopper_path(monkeypatch, True)
-    monkeypatch.setattr(cuda, "sm_count", lambda device: sms)
+    monkeypatch.setattr(devices, "sm_count", lambda device: sms)
     rng = np.random.default_rng(sms)
     q, k, v = random_qkv(rng, 2, 4, 2, 700, 650, 128, np_dtype("bfloat16"), "bhsd")
     # Blocks of 128, the kernel's tiles: the random layout's empty row of blocks is an empty item.
@@ -236,7 +236,7 @@ def test_the_hopper_forward_splits_its_last_rows(kind, head_dim, wide, monkeypat
     mask, a rule's C expression (causal) and bit masks (a rule without one, in every block: 128 x 128
     tiles); ragged query and key lengths, GQA, a [B, S, H, D] view, a layout of one batch element or of
     every head."""
-    from cusparseattn import TokenRule, cuda, schedule
+    from cusparseattn import TokenRule, cuda, devices, gpu_tables, schedule
 
     launched = hopper_path(monkeypatch, True)
     monkeypatch.setattr(cuda, "_wide_pays", lambda *args: wide)
@@ -253,7 +253,7 @@ def test_the_hopper_forward_splits_its_last_rows(kind, head_dim, wide, monkeypat
     else:
         layout = layout_for(kind, rng, batch, heads, seq_q, seq_k, 128)
     tiles = build.tile_config("forward_sm90", head_dim, wide=wide and kind != "bits")
-    tables = cuda.device_tables(layout, tiles[0], tiles[1], 0)
+    tables = gpu_tables.device_tables(layout, tiles[0], tiles[1], 0)
     items = batch * heads * tables.plan.tiles_q
 
     def splits(sms: int) -> bool:
@@ -262,7 +262,7 @@ def test_the_hopper_forward_splits_its_last_rows(kind, head_dim, wide, monkeypat
         return len(dealt.parts) > 0
 
     sms = next(n for n in range(2, items) if splits(n))
-    monkeypatch.setattr(cuda, "sm_count", lambda device: sms)
+    monkeypatch.setattr(devices, "sm_count", lambda device: sms)
     assert_matches(q, k, v, layout, dtype)
     assert launched == ["forward_sm90", "forward_combine"]
 
@@ -272,10 +272,12 @@ def test_split_rows_of_holders_that_cannot_allocate(monkeypatch):
     scratch: it comes from CuPy's pool, on their stream, and the outputs are the same bits as through
     PyTorch's holders."""
     torch = _torch()
-    from cusparseattn import arrays, cuda
+    from cusparseattn import arrays, cuda, devices
 
     launched = hopper_path(monkeypatch, True)
-    monkeypatch.setattr(cuda, "sm_count", lambda device: 3)  # 136 rows of 17 key tiles: the last one splits
+    monkeypatch.setattr(
+        devices, "sm_count", lambda device: 3
+    )  # 136 rows of 17 key tiles: the last one splits
     rng = np.random.default_rng(1)
     q, k, v = random_qkv(rng, 2, 4, 2, 2176, 2176, 128, np_dtype("bfloat16"), "bhsd")
     layout = patterns.dense(block=128).layout(2176)
