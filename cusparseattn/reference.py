@@ -45,7 +45,6 @@ from .trace import ScoreMod
 # of these alive, backward about three). Tests lower it to exercise the banding.
 CHUNK_BYTES = 64 << 20
 
-_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _PRECISIONS = {np.dtype(np.float32), np.dtype(np.float64)}
 
 
@@ -237,7 +236,8 @@ def _precision(precision) -> np.dtype:
 
 
 def _dtype_name(xp, dtype) -> str | None:
-    """The name of ``dtype`` among `_DTYPES` (bfloat16: ml_dtypes' NumPy dtype), else None."""
+    """The name of ``dtype`` of namespace ``xp`` if it is float16, bfloat16 (ml_dtypes' NumPy dtype: NumPy
+    alone has it), float32 or float64; else None."""
     for name in ("float16", "float32", "float64"):
         if dtype == getattr(xp, name, None):
             return name
