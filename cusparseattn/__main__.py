@@ -205,7 +205,7 @@ def info(args: argparse.Namespace) -> int:
         print(f"  {name}{state}: {backend.description}; {here}")
     on_gpu = not _gpu_reasons()
     shape = (1, 4, 256, 64)
-    for dtype in ("float16", "bfloat16", "float32"):
+    for dtype in ("float16", "bfloat16", "float32", "float64"):
         (q, k, v), what = _framework_inputs(shape, dtype, on_gpu)
         print(f"q, k, v {dtype} {list(shape)}, {what}:")
         forward, backward = (backends.why_not(q, k, v, op=op) for op in ("forward", "backward"))
@@ -214,14 +214,15 @@ def info(args: argparse.Namespace) -> int:
                 print(f"  {name}: {_can(reasons)}")
             else:
                 print(f"  {name}: forward {_can(reasons)}; backward {_can(backward[name])}")
-        chosen = [_chosen(backends, q, k, v, op) for op in ("forward", "backward")]
+        chosen = [_chosen(backends.current_backend, q, k, v, op) for op in ("forward", "backward")]
         print(f"  chosen: {chosen[0]} (forward), {chosen[1]} (backward)")
+        print(f"  runs on: {_chosen(backends.runs_on, q, k, v, 'forward')}")
     return 0
 
 
-def _chosen(backends, q, k, v, op: str) -> str:
+def _chosen(choose, q, k, v, op: str) -> str:
     try:
-        return backends.current_backend(q, k, v, op=op)
+        return choose(q, k, v, op=op)
     except ValueError:
         return "none"
 

@@ -4,8 +4,10 @@
 imports nothing else: a NumPy user never imports torch. A holder exposes what the kernel launch reads (shape,
 strides in elements, dtype name, device, data pointer, the framework's current stream) and three conversions:
 a host NumPy view (zero copy on the CPU), a new array of the same framework and device (kernel outputs), and a
-NumPy result handed back in the caller's framework and device. `XlaBuffer` holds what XLA lends a callback
-inside a JAX computation on a GPU (device memory and XLA's stream), so the kernels can run there.
+NumPy result handed back in the caller's framework and device; GPU arrays also have a CuPy view of their
+memory and take CuPy results back, without a copy (DLPack), for the reference on the GPU. `XlaBuffer` holds
+what XLA lends a callback inside a JAX computation on a GPU (device memory and XLA's stream), so the kernels
+(and the reference, in CuPy) can run there.
 
 >>> import numpy as np
 >>> x = wrap(np.ones((1, 2, 3, 4), np.float32).transpose(0, 2, 1, 3), "q")
@@ -15,7 +17,9 @@ inside a JAX computation on a GPU (device memory and XLA's stream), so the kerne
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import math
 from typing import NamedTuple
 
 import ml_dtypes
@@ -108,6 +112,14 @@ class Tensor:
     def from_numpy(self, arr: np.ndarray) -> Tensor:
         """``arr`` in this framework on this device (no copy on the CPU where the framework allows it)."""
         raise NotImplementedError
+
+    def cupy(self):
+        """A CuPy array of the same GPU memory (no copy), for CuPy work in `cupy_stream`."""
+        raise TypeError(f"{self.describe()} has no CuPy view: CuPy reads CuPy and torch CUDA arrays")
+
+    def from_cupy(self, arr) -> Tensor:
+        """The CuPy array ``arr``, made in `cupy_stream`, in this framework on its GPU (no copy)."""
+        raise TypeError(f"{self.describe()}: CuPy results go back to CuPy and torch CUDA arrays only")
 
     def describe(self) -> str:
         return f"{self.name} {self.dtype} {list(self.shape)} ({self.framework}, {device_name(self.device)})"
@@ -205,6 +217,12 @@ class CupyTensor(Tensor):
 
         with self.native.device:
             return CupyTensor(cupy.asarray(arr), self.name)
+
+    def cupy(self):
+        return self.native
+
+    def from_cupy(self, arr):
+        return CupyTensor(arr, self.name)
 
 
 # torch dtypes and devices by the names and pairs they map to, filled as they are met: holders are made many
@@ -312,6 +330,32 @@ class TorchTensor(_Described):
         else:
             t = torch.from_numpy(arr)
         return TorchTensor(t.to(self.native.device) if self.native.device.type != "cpu" else t, self.name)
+
+    def cupy(self):
+        import cupy
+
+        # DLPack refuses tensors that require grad and views with a pending negation. Inside `cupy_stream`,
+        # CuPy's stream is torch's, so the exchange orders nothing more.
+        return cupy.from_dlpack(self.native.detach().resolve_neg())
+
+    def from_cupy(self, arr):
+        import torch
+
+        return TorchTensor(torch.from_dlpack(arr), self.name)
+
+
+def cupy_stream(holder: Tensor):
+    """A context in which CuPy works on ``holder``'s GPU, on the current stream of its framework: CuPy's own
+    for CuPy arrays, an external stream for the others (torch's current stream, XLA's), so that CuPy's work
+    is queued in order with the framework's and nothing waits."""
+    import cupy
+
+    index = holder.device[1]
+    stack = contextlib.ExitStack()
+    stack.enter_context(cupy.cuda.Device(index))
+    if holder.framework != "cupy":
+        stack.enter_context(cupy.cuda.ExternalStream(holder.stream, index))
+    return stack
 
 
 def torch_current_stream(index: int) -> int:
@@ -460,6 +504,20 @@ class XlaBuffer(FixedTensor):
         strides = contiguous_strides(shape) if strides is None else tuple(s // itemsize for s in strides)
         device = ("cuda", native.__dlpack_device__()[1])
         super().__init__(native, name, shape, strides, dtype, device, interface["data"][0], stream)
+
+    def cupy(self):
+        import cupy
+
+        # From the address, not the interface: CuPy would synchronise with a stream the interface names.
+        size = max(1, math.prod(self.shape)) * DTYPES[self.dtype].itemsize
+        memory = cupy.cuda.UnownedMemory(self.data_ptr, size, self.native, self.device[1])
+        strides = tuple(s * DTYPES[self.dtype].itemsize for s in self.strides)
+        return cupy.ndarray(self.shape, DTYPES[self.dtype], cupy.cuda.MemoryPointer(memory, 0), strides)
+
+    def from_cupy(self, arr):
+        """A CuPy holder of ``arr``: XLA makes an XLA call's results itself, and the call copies ``arr`` into
+        its result buffer."""
+        return CupyTensor(arr, self.name)
 
 
 _HOLDERS: dict[str, type[Tensor]] = {

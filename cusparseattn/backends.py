@@ -8,7 +8,9 @@ PyTorch's eager calls reuse while the signature repeats.
 Four are registered, in this priority order:
 
 - ``"cuda"``: the CUDA kernels (`cusparseattn.cuda`), for GPU arrays;
-- ``"reference"``: the NumPy reference on the host, for any inputs (GPU inputs are copied there and back);
+- ``"reference"``: the reference (`cusparseattn.reference`), for any inputs: NumPy arrays on the host, GPU
+  arrays of `GPU_DTYPES` on their GPU through CuPy (`reference_on_gpu`), other GPU arrays copied to the host
+  and back;
 - ``"flex"`` and ``"sdpa"``: PyTorch's FlexAttention and SDPA with a dense mask
   (`cusparseattn.torch_backends`), for torch tensors, to compare with. They come after the reference,
   which runs everything, so automatic selection never picks them: name them (``backend="sdpa"``, or
@@ -17,8 +19,9 @@ Four are registered, in this priority order:
 Automatic selection walks the enabled backends in priority order and takes the first with no reasons; a
 backend the caller forces goes through the same check, and when nothing can run, one error lists the inputs
 and every reason. `why_not` says, for every backend, why it cannot take a call; `current_backend` which one
-would. When the choice falls back to a slow path (the reference, for GPU inputs) because backends ahead of it
-could not run, a RuntimeWarning names their reasons, once per distinct set of reasons.
+would, and `runs_on` where. When the choice falls back to a slow path (the reference on host copies of GPU
+inputs) because backends ahead of it could not run, a RuntimeWarning names their reasons, once per distinct
+set of reasons.
 
 Which backends are enabled, and their order, is decided at two levels:
 
@@ -44,6 +47,8 @@ backend.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import sys
 import threading
 import types
@@ -54,7 +59,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .arrays import Tensor, device_name
+from .arrays import Tensor, cupy_stream, device_name
 from .call import Inputs, prepare
 
 OPS = ("forward", "backward")
@@ -88,6 +93,10 @@ class Backend:
         """Why this backend cannot run ``op`` (``"forward"`` or ``"backward"``) on ``inputs``; empty when it
         can. Decided before any work, from metadata: a traced array has no values yet."""
         raise NotImplementedError
+
+    def runs_on(self, inputs: Inputs) -> str:
+        """Where this backend runs ``inputs``, for messages (the inputs' device by default)."""
+        return device_name(inputs.device)
 
     def slow_path(self, inputs: Inputs) -> str | None:
         """A phrase saying what running ``inputs`` here costs, when that makes this backend a slow fallback
@@ -265,50 +274,69 @@ class CudaBackend(Backend):
         return _CudaBackward(launch)
 
 
+#: The dtypes that the reference runs in on a GPU, through CuPy: bfloat16 has no CuPy dtype, and float16 is
+#: the kernels' (a reference asked for on GPU float16 arrays runs on host copies, as bfloat16 does).
+GPU_DTYPES = ("float32", "float64")
+
+#: The arrays each pass of the reference reads, in the order `cusparseattn.reference` takes them.
+_OPERANDS = {"forward": ("q", "k", "v"), "backward": ("dout", "q", "k", "v", "out", "lse")}
+
+
+@functools.cache
+def _has_cupy() -> bool:
+    return importlib.util.find_spec("cupy") is not None
+
+
+def reference_on_gpu(inputs: Inputs) -> bool:
+    """Whether the reference runs ``inputs`` on their GPU, through CuPy and without a copy to the host: GPU
+    arrays of `GPU_DTYPES`, with CuPy installed."""
+    return inputs.on_gpu and inputs.dtype in GPU_DTYPES and _has_cupy()
+
+
 class ReferenceBackend(Backend):
-    """The NumPy reference (``cusparseattn.reference``) on the host: GPU inputs are copied there and back."""
+    """The reference (``cusparseattn.reference``) where the arrays are: NumPy on the host, CuPy on the GPU
+    for GPU arrays of `GPU_DTYPES` (torch's through DLPack, on torch's current stream); other GPU arrays are
+    copied to the host and back."""
 
     name = "reference"
-    description = "the NumPy reference, on the host (GPU inputs are copied there and back)"
+    description = (
+        "the reference: NumPy on the host, CuPy on the GPU for float32 and float64 GPU arrays "
+        "(other GPU arrays are copied to the host and back)"
+    )
 
     def not_supported_reasons(self, inputs, op):
         return []
 
+    def runs_on(self, inputs):
+        if not inputs.on_gpu:
+            return "NumPy, on the host"
+        if reference_on_gpu(inputs):
+            return f"CuPy, on {device_name(inputs.device)}"
+        return f"NumPy, on the host, copied from {device_name(inputs.device)} and back"
+
     def slow_path(self, inputs):
-        return "the NumPy reference on the host" if inputs.on_gpu else None
+        copies = inputs.on_gpu and not reference_on_gpu(inputs)
+        return "the NumPy reference on the host" if copies else None
 
     def forward(self, inputs):
-        from . import reference
-
-        q = inputs.q
-        out, lse = reference.forward(
-            q.numpy(),
-            inputs.k.numpy(),
-            inputs.v.numpy(),
-            inputs.layout,
-            scale=inputs.scale,
-            precision=_precision(q.dtype),
-            score_mod=inputs.score_mod,
-        )
-        return q.from_numpy(out), q.from_numpy(lse)
+        return self._run(inputs, "forward")
 
     def backward(self, inputs):
+        return self._run(inputs, "backward")
+
+    def _run(self, inputs, op: str) -> tuple[Tensor, ...]:
         from . import reference
 
         q = inputs.q
-        grads = reference.backward(
-            inputs.dout.numpy(),
-            q.numpy(),
-            inputs.k.numpy(),
-            inputs.v.numpy(),
-            inputs.out.numpy(),
-            inputs.lse.numpy(),
-            inputs.layout,
-            scale=inputs.scale,
-            precision=_precision(q.dtype),
-            score_mod=inputs.score_mod,
-        )
-        return tuple(q.from_numpy(g) for g in grads)
+        run = reference.forward if op == "forward" else reference.backward
+        holders = [getattr(inputs, name) for name in _OPERANDS[op]]
+        options = dict(scale=inputs.scale, precision=_precision(q.dtype), score_mod=inputs.score_mod)
+        if not reference_on_gpu(inputs):
+            results = run(*(h.numpy() for h in holders), inputs.layout, **options)
+            return tuple(q.from_numpy(r) for r in results)
+        with cupy_stream(q):
+            results = run(*(h.cupy() for h in holders), inputs.layout, **options)
+            return tuple(q.from_cupy(r) for r in results)
 
 
 # ---- the registry and the selection state ----------------------------------------------------------------
@@ -540,9 +568,9 @@ def select(inputs: Inputs, op: str = "forward", backend=None) -> Backend:
     which must be able to, else the first enabled one that can. Raises one ValueError with the inputs and
     every reason when none can.
 
-    When the chosen backend is a slow fallback for these inputs (the reference, for GPU inputs: it copies
-    them to the host and the results back) and enabled backends ahead of it could not run, a RuntimeWarning
-    names their reasons, once per distinct message.
+    When the chosen backend is a slow fallback for these inputs (the reference, for GPU inputs that it copies
+    to the host and the results back) and enabled backends ahead of it could not run, a RuntimeWarning names
+    their reasons, once per distinct message.
     """
     chosen, rejected = choose(inputs, op, backend)
     slow = chosen.slow_path(inputs) if rejected else None
@@ -572,6 +600,21 @@ def _inputs_of(q, k, v, layout, op: str, causal: bool, score_mod) -> Inputs:
     _check_op(op)
     # The backward's questions are about q, k, v (dtype, head dim, device): asked before any forward.
     return prepare(q, k, v, layout, causal=causal, scale=None, score_mod=score_mod)
+
+
+def runs_on(q, k, v, layout=None, op: str = "forward", *, causal: bool = False, score_mod=None) -> str:
+    """The backend that automatic selection would pick for ``op`` on these arrays, and where it runs them
+    (``"reference (CuPy, on cuda:0)"``). Raises the selection's ValueError when none can. Arguments
+    as in `why_not`.
+
+    >>> import numpy as np
+    >>> q = k = v = np.ones((1, 2, 16, 8), np.float32)
+    >>> runs_on(q, k, v)
+    'reference (NumPy, on the host)'
+    """
+    inputs = _inputs_of(q, k, v, layout, op, causal, score_mod)
+    chosen = choose(inputs, op, None)[0]
+    return f"{chosen.name} ({chosen.runs_on(inputs)})"
 
 
 def why_not(

@@ -9,11 +9,15 @@ eager and under ``jit``; the backend is chosen when the call is traced, so error
   stream: no copy to the host, no synchronisation, no memory besides XLA's.
 - NumPy reference, JAX arrays on the CPU: the same ``buffer_callback``; the reference reads XLA's buffers
   without a copy and its results are written into XLA's outputs.
-- NumPy reference, JAX arrays on a GPU (``backend="reference"``, or when the kernels cannot take the inputs,
-  which warns): ``jax.pure_callback`` copies the inputs to the host and the results back.
-- JAX older than 0.7, which has no ``buffer_callback``: on the CPU the reference runs through
-  ``jax.pure_callback``; on a GPU the kernels cannot run, and a call raises naming the JAX version needed
-  (``backend="reference"`` still runs on the host).
+- The reference, float32 and float64 JAX arrays on a GPU (``backend="reference"``, or where the kernels
+  cannot take the inputs): the same ``buffer_callback``; the reference runs in CuPy on XLA's buffers and
+  stream, and its results are copied into XLA's outputs on the GPU.
+- NumPy reference, other JAX arrays on a GPU (``backend="reference"``, or when the kernels cannot take the
+  inputs, which warns), or any without CuPy: ``jax.pure_callback`` copies the inputs to the host and the
+  results back.
+- JAX older than 0.7, which has no ``buffer_callback``: the reference runs through ``jax.pure_callback``; on
+  a GPU the kernels cannot run, and a call raises naming the JAX version needed (``backend="reference"``
+  still runs on the host).
 
 Under ``vmap`` each element of the mapped axis is one call (``vmap_method="sequential"``). The log-sum-exp
 that ``return_lse=True`` returns is not differentiable.
@@ -31,7 +35,7 @@ import jax
 import numpy as np
 
 from . import backends, call, plans
-from .arrays import NumpyTensor, XlaBuffer, wrap
+from .arrays import NumpyTensor, XlaBuffer, cupy_stream, wrap
 from .call import Inputs
 
 try:
@@ -43,6 +47,7 @@ except ImportError:  # JAX older than 0.7
 #: order the XLA call takes and returns them; together, the order of `cuda.forward`'s and `cuda.backward`'s.
 _INPUTS = {"forward": ("q", "k", "v"), "backward": ("dout", "q", "k", "v", "out", "lse")}
 _KERNEL_OUTPUTS = {"forward": ("out", "lse"), "backward": ("dq", "dk", "dv", "stats")}
+_GRADS = ("dq", "dk", "dv")
 
 
 def attention(
@@ -129,9 +134,12 @@ def run(inputs: Inputs, op: str, backend: str | None) -> tuple:
         raise NotImplementedError(
             f"backend {chosen.name!r} does not run on JAX arrays; cusparseattn.jax runs 'cuda', 'reference'"
         )
-    # The reference runs on the host: in place on XLA's CPU buffers where it can, else on copies.
-    if not inputs.on_gpu and buffer_callback is not None:
-        call = _ReferenceInPlace(op, inputs.layout, inputs.scale, inputs.score_mod, q.dtype)
+    # The reference runs in place on XLA's buffers where it can (on the CPU, and on a GPU in CuPy), else on
+    # host copies.
+    on_gpu = backends.reference_on_gpu(inputs)
+    if buffer_callback is not None and (on_gpu or not inputs.on_gpu):
+        in_place = _ReferenceOnGpu if on_gpu else _ReferenceInPlace
+        call = in_place(op, inputs.layout, inputs.scale, inputs.score_mod, q.dtype)
         return tuple(buffer_callback(call, results, vmap_method="sequential")(*natives))
     call = _ReferenceOnCopies(op, inputs.layout, inputs.scale, inputs.score_mod, q.dtype)
     return tuple(jax.pure_callback(call, results, *natives, vmap_method="sequential"))
@@ -157,9 +165,9 @@ class _Pass:
     def __hash__(self) -> int:
         return hash(self._key())
 
-    def reference(self, arrays: list[np.ndarray]) -> tuple[np.ndarray, ...]:
-        """The NumPy reference on host arrays of the pass's inputs, in `_INPUTS` order."""
-        given = {name: NumpyTensor(a, name) for name, a in zip(_INPUTS[self.op], arrays, strict=True)}
+    def reference(self, holders: list) -> tuple:
+        """The reference on holders of the pass's inputs, in `_INPUTS` order: its results, native arrays."""
+        given = dict(zip(_INPUTS[self.op], holders, strict=True))
         extra = {name: given[name] for name in ("dout", "out", "lse") if name in given}
         inputs = Inputs(
             given["q"], given["k"], given["v"], self.layout, self.scale, score_mod=self.score_mod, **extra
@@ -167,6 +175,9 @@ class _Pass:
         reference = backends.BACKENDS["reference"]
         results = reference.forward(inputs) if self.op == "forward" else reference.backward(inputs)
         return tuple(r.native for r in results)
+
+    def host(self, arrays) -> list[NumpyTensor]:
+        return [NumpyTensor(np.asarray(a), name) for name, a in zip(_INPUTS[self.op], arrays, strict=True)]
 
 
 class _Kernels(_Pass):
@@ -217,13 +228,31 @@ class _ReferenceInPlace(_Pass):
     """For ``buffer_callback`` on the CPU: the reference reads XLA's buffers and fills XLA's outputs."""
 
     def __call__(self, ctx, outputs, *args) -> None:
-        results = self.reference([np.asarray(a) for a in args])
+        results = self.reference(self.host(args))
         for output, result in zip(outputs, results, strict=True):
             np.asarray(output)[...] = result
+
+
+class _ReferenceOnGpu(_Pass):
+    """For ``buffer_callback`` on a GPU: the reference in CuPy reads XLA's buffers, on XLA's stream, and its
+    results are copied into XLA's outputs there (device to device)."""
+
+    def __call__(self, ctx, outputs, *args) -> None:
+        # The reference's lse has the working precision: float64 for float64 inputs, else float32.
+        lse = "float64" if self.dtype == "float64" else "float32"
+        holders = [
+            XlaBuffer(a, name, lse if name == "lse" else self.dtype, ctx.stream)
+            for name, a in zip(_INPUTS[self.op], args, strict=True)
+        ]
+        kinds = {"out": self.dtype, "lse": lse} if self.op == "forward" else dict.fromkeys(_GRADS, self.dtype)
+        with cupy_stream(holders[0]):
+            results = self.reference(holders)
+            for output, (name, kind), result in zip(outputs, kinds.items(), results, strict=True):
+                XlaBuffer(output, name, kind, ctx.stream).cupy()[...] = result
 
 
 class _ReferenceOnCopies(_Pass):
     """For ``jax.pure_callback``: the reference on host copies of the inputs, returning its results."""
 
     def __call__(self, *arrays) -> tuple[np.ndarray, ...]:
-        return self.reference([np.asarray(a) for a in arrays])
+        return self.reference(self.host(arrays))

@@ -1,10 +1,16 @@
-"""The NumPy reference: block-sparse attention forward and backward, the oracle of every test.
+"""The reference: block-sparse attention forward and backward, the oracle of every test.
 
 It computes the same function as the kernels: ``S = scale * q @ k^T``, modified by an optional score_mod
 (`cusparseattn.mods`), masked by the layout (blocks, and the token rule inside partial blocks only), a
 softmax in float32 (float64 on request), ``out = P @ v`` and the natural-log log-sum-exp of each row. The
 backward is the flash-attention one: it recomputes ``P = exp(S - lse)`` and uses ``delta = rowsum(dout *
 out)``.
+
+It runs where its arrays are: it is written against the array API standard (through ``array_api_compat``),
+so NumPy arrays run on the host and CuPy arrays on their GPU, with no copy of the arrays to the host. The
+layout is host data: each band's token mask is made on the host (from the block masks, the rule evaluated at
+partial-block positions only) and sent to the arrays' device, a copy of booleans towards the device only.
+A score mod runs on the scores where they are.
 
 Memory stays bounded: query rows are processed in bands, and each band gathers only the key blocks that its
 block rows set, so a sparse layout costs proportionally less and no ``Sq x Sk`` array is ever built. A
@@ -28,6 +34,7 @@ import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
+import array_api_compat
 import ml_dtypes
 import numpy as np
 
@@ -38,16 +45,17 @@ from .trace import ScoreMod
 # of these alive, backward about three). Tests lower it to exercise the banding.
 CHUNK_BYTES = 64 << 20
 
-_DTYPES = {np.dtype(t) for t in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64)}
 _PRECISIONS = {np.dtype(np.float32), np.dtype(np.float64)}
 
 
 def forward(q, k, v, layout: BlockLayout, *, scale=None, precision=np.float32, score_mod=None):
     """Block-sparse attention: ``(out, lse)`` for ``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, Sk, D]``.
 
-    Query head ``h`` uses key/value head ``h // (Hq // Hkv)``. Inputs are upcast exactly to ``precision``
-    (float32 or float64), ``out`` is rounded once to the inputs' dtype; ``lse [B, Hq, Sq]`` has the dtype of
-    ``precision``. Empty rows (every score masked, or modified to -inf) give ``out = 0`` and ``lse = -inf``.
+    Arrays of any one array-API namespace (NumPy, CuPy, ...); the results are of that namespace, on the
+    arrays' device. Query head ``h`` uses key/value head ``h // (Hq // Hkv)``. Inputs are upcast exactly to
+    ``precision`` (float32 or float64), ``out`` is rounded once to the inputs' dtype; ``lse [B, Hq, Sq]`` has
+    the dtype of ``precision``. Empty rows (every score masked, or modified to -inf) give ``out = 0`` and
+    ``lse = -inf``.
 
     ``score_mod`` (a `cusparseattn.trace.ScoreMod` or a function to trace) replaces each scaled score ``s``
     by ``score_mod(s, b, h, q, k)`` before the mask (``h`` the query head, ``q, k`` global positions: the
@@ -63,33 +71,37 @@ def forward(q, k, v, layout: BlockLayout, *, scale=None, precision=np.float32, s
     >>> out.shape, out.dtype, lse.dtype
     ((2, 4, 40, 8), dtype('float16'), dtype('float32'))
     """
-    prec = _precision(precision)
-    q, k, v = _check_qkv(q, k, v)
+    xp, (q, k, v) = _arrays(q=q, k=k, v=v)
+    _check_qkv(xp, q, k, v)
     _check_layout(layout, q.shape, k.shape)
+    prec = _precision(precision)
+    work = getattr(xp, prec.name)  # the working dtype in the arrays' namespace
     scale = _scale(scale, q.shape[-1])
     mod = _score_mod(score_mod)
-    qp, kp, vp = (np.ascontiguousarray(x, dtype=prec) for x in (q, k, v))
-    out = np.zeros(q.shape, dtype=prec)
-    lse = np.full(q.shape[:3], -np.inf, dtype=prec)
+    device = array_api_compat.device(q)
+    qp, kp, vp = (xp.astype(x, work, copy=False) for x in (q, k, v))
+    out = xp.zeros(q.shape, dtype=work, device=device)
+    lse = xp.full(q.shape[:3], -math.inf, dtype=work, device=device)
     for c in _chunks(layout, q.shape, k.shape[1], prec.itemsize):
-        rows, keys = c.rows, c.keys
-        s = _scores(qp[rows], kp[keys], scale)
+        band = _Band(xp, c, device)
+        s = _scores(xp, qp[c.rows], band.gather(kp), scale)
         if mod is not None:
-            s = mod.evaluate(s, *_positions(c, layout))
-        np.copyto(s, -np.inf, where=~c.mask)
-        m = s.max(axis=-1, keepdims=True)
+            s = mod.evaluate(s, *band.positions(layout))
+        s = band.masked(s)
+        m = xp.max(s, axis=-1, keepdims=True)
         # An empty row has max -inf: shift it by 0 instead, so exp gives 0 and never exp(-inf - -inf) = NaN.
-        m[m == -np.inf] = 0
+        m = xp.where(m == -math.inf, band.zero(work), m)
         s -= m
-        p = np.exp(s, out=s)
-        denom = p.sum(axis=-1)
+        p = xp.exp(s)
+        del s
+        denom = xp.sum(p, axis=-1)
         nonempty = denom > 0
-        o = _grouped(p, vp[keys])
-        o /= np.where(nonempty, denom, 1)[..., None]
-        out[rows] = o
-        with np.errstate(divide="ignore"):
-            lse[rows] = np.where(nonempty, m[..., 0] + np.log(denom), -np.inf)
-    return out.astype(q.dtype), lse
+        denom = xp.where(nonempty, denom, band.one(work))  # an empty row: 0 / 1, and no log(0)
+        o = _grouped(xp, p, band.gather(vp))
+        o /= xp.expand_dims(denom, axis=-1)
+        out[c.rows] = o
+        lse[c.rows] = xp.where(nonempty, m[..., 0] + xp.log(denom), band.minus_inf(work))
+    return xp.astype(out, q.dtype), lse
 
 
 def backward(
@@ -97,12 +109,12 @@ def backward(
 ):
     """Gradients ``(dq, dk, dv)`` of block-sparse attention, given the forward's ``out`` and ``lse``.
 
-    Flash-attention math: ``P = exp(S - lse)``, ``dV = P^T dO``, ``dP = dO V^T``, ``delta = rowsum(dO * O)``
-    (from ``out`` as given), ``dS = P * (dP - delta)``, ``dQ = scale * dS K``, ``dK = scale * dS^T Q``; with
-    GQA, ``dk`` and ``dv`` sum over the query heads of each group. Rows with ``lse = -inf`` contribute
-    nothing. Each gradient has the dtype of its input. With a ``score_mod`` (as in `forward`), ``S`` is the
-    modified score and ``dS`` is multiplied by the mod's derivative at the raw scaled score (0 where ``P`` is
-    0, never NaN).
+    Arrays of one namespace, as in `forward`. Flash-attention math: ``P = exp(S - lse)``, ``dV = P^T dO``,
+    ``dP = dO V^T``, ``delta = rowsum(dO * O)`` (from ``out`` as given), ``dS = P * (dP - delta)``, ``dQ =
+    scale * dS K``, ``dK = scale * dS^T Q``; with GQA, ``dk`` and ``dv`` sum over the query heads of each
+    group. Rows with ``lse = -inf`` contribute nothing. Each gradient has the dtype of its input. With a
+    ``score_mod`` (as in `forward`), ``S`` is the modified score and ``dS`` is multiplied by the mod's
+    derivative at the raw scaled score (0 where ``P`` is 0, never NaN).
 
     >>> import numpy as np
     >>> from cusparseattn.layout import BlockLayout
@@ -113,40 +125,46 @@ def backward(
     >>> bool(np.allclose(dv.sum(axis=2), 32))  # each query row's probabilities sum to 1
     True
     """
-    prec = _precision(precision)
-    q, k, v = _check_qkv(q, k, v)
+    xp, (dout, q, k, v, out, lse) = _arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
+    _check_qkv(xp, q, k, v)
     _check_layout(layout, q.shape, k.shape)
-    dout, out, lse = (np.asarray(x) for x in (dout, out, lse))
     for name, arr, shape in (("dout", dout, q.shape), ("out", out, q.shape), ("lse", lse, q.shape[:3])):
         if arr.shape != shape:
             raise ValueError(f"{name} must have shape {shape} (from q), got {arr.shape}")
+    prec = _precision(precision)
+    work = getattr(xp, prec.name)  # the working dtype in the arrays' namespace
     scale = _scale(scale, q.shape[-1])
     mod = _score_mod(score_mod)
-    qp, kp, vp, dop = (np.ascontiguousarray(x, dtype=prec) for x in (q, k, v, dout))
-    delta = np.einsum("bhsd,bhsd->bhs", dop, out.astype(prec, copy=False))
-    # P = exp(S - lse): an lse of -inf (empty row) becomes +inf so that P is 0 even where S is -inf.
-    lse_p = np.where(lse == -np.inf, np.inf, lse.astype(prec, copy=False))
-    dq, dk, dv = np.zeros_like(qp), np.zeros_like(kp), np.zeros_like(vp)
+    device = array_api_compat.device(q)
+    qp, kp, vp, dop, outp, lsep = (xp.astype(x, work, copy=False) for x in (q, k, v, dout, out, lse))
+    dq, dk, dv = (xp.zeros(x.shape, dtype=work, device=device) for x in (qp, kp, vp))
     for c in _chunks(layout, q.shape, k.shape[1], prec.itemsize):
-        rows, keys, hkv = c.rows, c.keys, c.k1 - c.k0
-        qc, doc, kc, vc = qp[rows], dop[rows], kp[keys], vp[keys]
-        s = _scores(qc, kc, scale)
+        band = _Band(xp, c, device)
+        hkv = c.k1 - c.k0
+        qc, doc, kc, vc = qp[c.rows], dop[c.rows], band.gather(kp), band.gather(vp)
+        delta = xp.sum(doc * outp[c.rows], axis=-1, keepdims=True)
+        # P = exp(S - lse): an lse of -inf (empty row) becomes +inf so that P is 0 even where S is -inf.
+        row_lse = lsep[c.rows]
+        row_lse = xp.where(row_lse == -math.inf, band.plus_inf(work), row_lse)
+        s = _scores(xp, qc, kc, scale)
         if mod is not None:
-            positions = _positions(c, layout)
+            positions = band.positions(layout)
             slope = mod.grad(s, *positions)
             s = mod.evaluate(s, *positions)
-        np.copyto(s, -np.inf, where=~c.mask)
-        s -= lse_p[rows][..., None]
-        p = np.exp(s, out=s)
-        dv[keys] += _grouped_t(p, doc, hkv)
-        ds = _grouped(doc, vc.swapaxes(-1, -2))
-        ds -= delta[rows][..., None]
+        s = band.masked(s)
+        s -= xp.expand_dims(row_lse, axis=-1)
+        p = xp.exp(s)
+        del s
+        band.add(dv, _grouped_t(xp, p, doc, hkv))
+        ds = _grouped(xp, doc, xp.matrix_transpose(vc))
+        ds -= delta
         ds *= p
         if mod is not None:  # only where P > 0: the derivative may be inf or NaN where the pair is masked
-            np.multiply(ds, slope, out=ds, where=p > 0)
-        dq[rows] = scale * _grouped(ds, kc)
-        dk[keys] += scale * _grouped_t(ds, qc, hkv)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+            ds = xp.where(p > 0, ds * slope, ds)
+        del p
+        dq[c.rows] = scale * _grouped(xp, ds, kc)
+        band.add(dk, scale * _grouped_t(xp, ds, qc, hkv))
+    return xp.astype(dq, q.dtype), xp.astype(dk, k.dtype), xp.astype(dv, v.dtype)
 
 
 def dense_forward(q, k, v, mask, *, scale=None, precision=np.float64, score_mod=None):
@@ -163,7 +181,8 @@ def dense_forward(q, k, v, mask, *, scale=None, precision=np.float64, score_mod=
     True
     """
     prec = _precision(precision)
-    q, k, v = _check_qkv(q, k, v)
+    q, k, v = (np.asarray(x) for x in (q, k, v))
+    _check_qkv(np, q, k, v)
     scale = _scale(scale, q.shape[-1])
     (b, hq, sq, _), (_, hkv, sk, _) = q.shape, k.shape
     mask = np.asarray(mask, dtype=bool)
@@ -193,6 +212,19 @@ def dense_forward(q, k, v, mask, *, scale=None, precision=np.float64, score_mod=
 # ---- validation --------------------------------------------------------------------------------------------
 
 
+def _arrays(**arrays):
+    """``(namespace, arrays)``: the array-API namespace that the arrays share and the arrays, anything else
+    (lists, scalars) made a NumPy array first. Raises naming each argument's namespace when they differ."""
+    arrays = {
+        name: x if array_api_compat.is_array_api_obj(x) else np.asarray(x) for name, x in arrays.items()
+    }
+    spaces = {name: array_api_compat.array_namespace(x) for name, x in arrays.items()}
+    if len(set(spaces.values())) > 1:
+        got = ", ".join(f"{name} {space.__name__}" for name, space in spaces.items())
+        raise TypeError(f"{', '.join(arrays)} must be arrays of one namespace, got {got}")
+    return next(iter(spaces.values())), tuple(arrays.values())
+
+
 def _precision(precision) -> np.dtype:
     try:
         prec = np.dtype(precision)
@@ -203,14 +235,22 @@ def _precision(precision) -> np.dtype:
     return prec
 
 
-def _check_qkv(q, k, v):
-    q, k, v = (np.asarray(x) for x in (q, k, v))
+def _dtype_name(xp, dtype) -> str | None:
+    """The name of ``dtype`` of namespace ``xp`` if it is float16, bfloat16 (ml_dtypes' NumPy dtype: NumPy
+    alone has it), float32 or float64; else None."""
+    for name in ("float16", "float32", "float64"):
+        if dtype == getattr(xp, name, None):
+            return name
+    return "bfloat16" if isinstance(dtype, np.dtype) and dtype == ml_dtypes.bfloat16 else None
+
+
+def _check_qkv(xp, q, k, v) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
             raise ValueError(
                 f"{name} must have 4 dimensions [batch, heads, seq, head_dim], got shape {x.shape}"
             )
-        if x.dtype not in _DTYPES:
+        if _dtype_name(xp, x.dtype) is None:
             raise ValueError(f"{name} must be float16, bfloat16, float32 or float64, got {x.dtype}")
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
@@ -223,7 +263,6 @@ def _check_qkv(q, k, v):
         raise ValueError(f"k has head_dim {dk}, expected q's head_dim {d}")
     if hq % hkv:
         raise ValueError(f"k has {hkv} heads, and q's {hq} heads are not a multiple of it")
-    return q, k, v
 
 
 def _check_layout(layout, q_shape, k_shape) -> None:
@@ -255,7 +294,9 @@ def _score_mod(score_mod) -> ScoreMod | None:
 
 class _Chunk(NamedTuple):
     """Query rows ``r0:r1`` of batches ``b0:b1``, query heads ``h0:h1`` (key/value heads ``k0:k1``), against
-    the key tokens ``cols``; ``mask`` broadcasts against the scores ``[b, h, rows, cols]``."""
+    the key tokens ``cols`` (sorted), which are the ``runs`` of consecutive tokens ``(start, stop)``;
+    ``mask`` (host booleans) broadcasts against the scores ``[b, h, rows, cols]``, None where every pair
+    attends."""
 
     b0: int
     b1: int
@@ -266,17 +307,13 @@ class _Chunk(NamedTuple):
     r0: int
     r1: int
     cols: np.ndarray
-    mask: np.ndarray
+    runs: tuple[tuple[int, int], ...]
+    mask: np.ndarray | None
 
     @property
     def rows(self) -> tuple:
         """Index of the band's query rows in ``q``, ``out``, ``lse``: ``[b, h, rows]``."""
-        return slice(self.b0, self.b1), slice(self.h0, self.h1), slice(self.r0, self.r1)
-
-    @property
-    def keys(self) -> tuple:
-        """Index of the band's key tokens in ``k``, ``v`` (a gather; unique, so ``+=`` through it adds)."""
-        return slice(self.b0, self.b1), slice(self.k0, self.k1), self.cols
+        return slice(self.b0, self.b1), slice(self.h0, self.h1), slice(self.r0, self.r1), ...
 
 
 def _chunks(layout: BlockLayout, q_shape, hkv: int, itemsize: int) -> Iterator[_Chunk]:
@@ -300,13 +337,14 @@ def _chunks(layout: BlockLayout, q_shape, hkv: int, itemsize: int) -> Iterator[_
             partial = layout.partial[bl, hl]
             row_bytes = (b1 - b0) * (h1 - h0) * itemsize
             b_idx, h_idx = np.arange(b0, b1), np.arange(h0, h1)
-            for r0, r1, cols in _bands(blocks, bq, bk, sq, layout.seq_k, row_bytes):
+            for r0, r1, cols, runs in _bands(blocks, bq, bk, sq, layout.seq_k, row_bytes):
                 mask = _band_mask(layout, blocks, partial, b_idx, h_idx, np.arange(r0, r1), cols)
-                yield _Chunk(b0, b1, h0, h1, k0, k1, r0, r1, cols, mask)
+                yield _Chunk(b0, b1, h0, h1, k0, k1, r0, r1, cols, runs, mask)
 
 
 def _bands(blocks: np.ndarray, bq: int, bk: int, seq_q: int, seq_k: int, row_bytes: int):
-    """Yield ``(r0, r1, cols)``: query rows and the sorted key tokens of the blocks that those rows set."""
+    """Yield ``(r0, r1, cols, runs)``: query rows, the sorted key tokens of the blocks that those rows set,
+    and those tokens as runs of consecutive ones."""
     nq = blocks.shape[0]
     nonempty = blocks.any(axis=1)
     start = 0
@@ -322,15 +360,23 @@ def _bands(blocks: np.ndarray, bq: int, bk: int, seq_q: int, seq_k: int, row_byt
             union, end = grown, end + 1
         cols = (np.flatnonzero(union)[:, None] * bk + np.arange(bk)).ravel()
         cols = cols[cols < seq_k]
+        runs = _runs(union, bk, seq_k)
         r0, r1 = start * bq, min(end * bq, seq_q)
         step = max(1, CHUNK_BYTES // (cols.size * row_bytes))
         for r in range(r0, r1, step):
-            yield r, min(r + step, r1), cols
+            yield r, min(r + step, r1), cols, runs
         start = end
 
 
-def _band_mask(layout, blocks, partial, b_idx, h_idx, rows, cols) -> np.ndarray:
-    """The token mask of one band: a block lookup, with the rule evaluated only at partial-block positions.
+def _runs(union: np.ndarray, bk: int, seq_k: int) -> tuple[tuple[int, int], ...]:
+    """The key tokens of the set blocks as runs ``(start, stop)`` of consecutive blocks, cut at ``seq_k``."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([False], union, [False])).astype(np.int8)))
+    return tuple((int(a) * bk, min(int(b) * bk, seq_k)) for a, b in zip(edges[::2], edges[1::2], strict=True))
+
+
+def _band_mask(layout, blocks, partial, b_idx, h_idx, rows, cols) -> np.ndarray | None:
+    """The token mask of one band: a block lookup, with the rule evaluated only at partial-block positions;
+    None where every pair of the band attends.
 
     Same values as ``layout.token_mask`` (the rule gets absolute batch and query-head indices). The result is
     ``[rows, cols]`` unless the rule depends on the batch or head, then ``[b|1, h|1, rows, cols]``.
@@ -338,10 +384,10 @@ def _band_mask(layout, blocks, partial, b_idx, h_idx, rows, cols) -> np.ndarray:
     qb, kb = rows // layout.block_size[0], cols // layout.block_size[1]
     mask = blocks[np.ix_(qb, kb)]
     if layout.rule is None:
-        return mask
+        return None if mask.all() else mask
     i, j = np.nonzero(partial[np.ix_(qb, kb)])
     if i.size == 0:
-        return mask
+        return None if mask.all() else mask
     vals = layout.rule(b_idx[:, None, None], h_idx[None, :, None], rows[i], cols[j])
     vals = np.broadcast_to(vals, np.broadcast_shapes(vals.shape, i.shape))
     mask = np.broadcast_to(mask, vals.shape[:-1] + mask.shape).copy()
@@ -349,35 +395,82 @@ def _band_mask(layout, blocks, partial, b_idx, h_idx, rows, cols) -> np.ndarray:
     return mask
 
 
+class _Band:
+    """One chunk on the arrays' side: its key tokens gathered from and added into arrays of namespace ``xp``
+    by slices of its runs, its mask and positions sent to the arrays' device."""
+
+    def __init__(self, xp, chunk: _Chunk, device):
+        self.xp, self.chunk, self.device = xp, chunk, device
+
+    def _keys(self, a: int, b: int) -> tuple:
+        c = self.chunk
+        return slice(c.b0, c.b1), slice(c.k0, c.k1), slice(a, b), ...
+
+    def gather(self, x):
+        """The band's key tokens of ``x [B, Hkv, Sk, D]``: ``[b, hkv, cols, D]``, a copy. Never a view: where
+        q and k are one array, NumPy computes ``q @ k^T`` on views of it as a symmetric product, which rounds
+        differently, and the reference gives the same bits whichever buffers it is handed."""
+        return self.xp.concat([x[self._keys(a, b)] for a, b in self.chunk.runs], axis=2)
+
+    def add(self, target, grads) -> None:
+        """``target`` (like the keys) += ``grads`` (like `gather`'s result), at the band's key tokens."""
+        at = 0
+        for a, b in self.chunk.runs:
+            target[self._keys(a, b)] += grads[:, :, at : at + b - a, :]
+            at += b - a
+
+    def masked(self, s):
+        """The scores with the masked pairs set to -inf."""
+        if self.chunk.mask is None:
+            return s
+        mask = self.xp.asarray(self.chunk.mask, device=self.device)
+        return self.xp.where(mask, s, self.minus_inf(s.dtype))
+
+    def positions(self, layout: BlockLayout) -> tuple:
+        """The band's batch, query-head, global query and global key indices, broadcasting against its
+        scores."""
+        xp, c, device = self.xp, self.chunk, self.device
+        q0, k0 = getattr(layout, "origin", (0, 0))
+        return (
+            xp.reshape(xp.arange(c.b0, c.b1, device=device), (-1, 1, 1, 1)),
+            xp.reshape(xp.arange(c.h0, c.h1, device=device), (1, -1, 1, 1)),
+            xp.reshape(xp.arange(c.r0 + q0, c.r1 + q0, device=device), (-1, 1)),
+            xp.reshape(xp.asarray(c.cols + k0, device=device), (1, -1)),
+        )
+
+    # 0-d constants on the device, for `where`: not every namespace takes Python scalars there.
+    def zero(self, dtype):
+        return self.xp.asarray(0.0, dtype=dtype, device=self.device)
+
+    def one(self, dtype):
+        return self.xp.asarray(1.0, dtype=dtype, device=self.device)
+
+    def minus_inf(self, dtype):
+        return self.xp.asarray(-math.inf, dtype=dtype, device=self.device)
+
+    def plus_inf(self, dtype):
+        return self.xp.asarray(math.inf, dtype=dtype, device=self.device)
+
+
 # ---- tile algebra ------------------------------------------------------------------------------------------
 
 
-def _scores(qc, kc, scale: float) -> np.ndarray:
+def _scores(xp, qc, kc, scale: float):
     """``scale * q @ k^T`` with GQA (a fresh array the caller may overwrite)."""
-    s = _grouped(qc, kc.swapaxes(-1, -2))
+    s = _grouped(xp, qc, xp.matrix_transpose(kc))
     s *= scale
     return s
 
 
-def _positions(c: _Chunk, layout: BlockLayout) -> tuple:
-    """The chunk's batch, query-head, global query and global key indices, broadcasting against its scores."""
-    q0, k0 = getattr(layout, "origin", (0, 0))
-    return (
-        np.arange(c.b0, c.b1)[:, None, None, None],
-        np.arange(c.h0, c.h1)[None, :, None, None],
-        np.arange(c.r0 + q0, c.r1 + q0)[:, None],
-        (c.cols + k0)[None, :],
-    )
-
-
-def _grouped(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _grouped(xp, a, b):
     """``a @ b`` where ``a [n, Hq, r, x]`` has query heads and ``b [n, Hkv, x, c]`` key/value heads (GQA)."""
     n, hq, r, x = a.shape
     hkv = b.shape[1]
-    return np.matmul(a.reshape(n, hkv, hq // hkv, r, x), b[:, :, None]).reshape(n, hq, r, b.shape[-1])
+    grouped = xp.matmul(xp.reshape(a, (n, hkv, hq // hkv, r, x)), xp.expand_dims(b, axis=2))
+    return xp.reshape(grouped, (n, hq, r, b.shape[-1]))
 
 
-def _grouped_t(a: np.ndarray, b: np.ndarray, hkv: int) -> np.ndarray:
+def _grouped_t(xp, a, b, hkv: int):
     """``a^T @ b`` summed over each group's query heads: ``[n, Hq, r, c], [n, Hq, r, x] -> [n, Hkv, c, x]``.
 
     The group's heads are folded into the contraction, so the sum is one matmul, not a ``[.., Hq, c, x]``
@@ -385,5 +478,5 @@ def _grouped_t(a: np.ndarray, b: np.ndarray, hkv: int) -> np.ndarray:
     """
     n, hq, r, c = a.shape
     g = hq // hkv
-    at = a.reshape(n, hkv, g, r, c).transpose(0, 1, 4, 2, 3).reshape(n, hkv, c, g * r)
-    return np.matmul(at, b.reshape(n, hkv, g * r, b.shape[-1]))
+    at = xp.permute_dims(xp.reshape(a, (n, hkv, g, r, c)), (0, 1, 4, 2, 3))
+    return xp.matmul(xp.reshape(at, (n, hkv, c, g * r)), xp.reshape(b, (n, hkv, g * r, b.shape[-1])))

@@ -4,7 +4,8 @@
 ``torch.ops.cusparseattn.attention_forward`` (``out, lse``) and ``attention_backward`` (``dq, dk, dv``), each
 with a fake implementation (shapes only) and autograd registered through ``torch.library``, so
 ``torch.compile`` keeps them whole in its graph (``fullgraph=True`` works) while CPU tensors run the NumPy
-reference and CUDA tensors the kernels. Outside ``torch.compile``, `attention` runs the same passes through a
+reference and CUDA tensors the kernels (float32 and float64 ones the reference in CuPy, on their GPU, through
+DLPack and on torch's current stream). Outside ``torch.compile``, `attention` runs the same passes through a
 ``torch.autograd.Function``: the operators' dispatch costs host time that a short call cannot hide.
 
 The forward saves ``q, k, v, out, lse`` for the backward; ``recompute=True`` saves only ``q, k, v`` and runs

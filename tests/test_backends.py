@@ -3,6 +3,7 @@ every reason, and the fallback warning."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import warnings
@@ -491,6 +492,66 @@ def test_fallback_warning_points_at_the_callers_line(monkeypatch):
     with pytest.warns(RuntimeWarning) as record:
         select(gpu_inputs(), "forward")
     assert record[0].filename == __file__
+
+
+class DeviceArrays(OnGpu):
+    """A GPU holder whose "CuPy" view is an array_api_strict array, so that the reference's GPU branch runs
+    here: any NumPy round trip (``numpy()``) fails the test."""
+
+    def numpy(self):
+        raise AssertionError(f"{self.name} was copied to the host")
+
+    def cupy(self):
+        return pytest.importorskip("array_api_strict").asarray(self.native)
+
+    def from_cupy(self, arr):
+        return DeviceArrays(np.asarray(arr), self.name)
+
+
+def device_inputs(dtype=np.float32, **extra):
+    """Q's inputs in ``dtype`` (and ``extra``: dout, out, lse) as `DeviceArrays`."""
+    q = Q.astype(dtype)
+    base = inputs_of(q)
+    held = {name: DeviceArrays(x, name) for name, x in extra.items()}
+    qkv = (DeviceArrays(q, name) for name in "qkv")
+    return Inputs(*qkv, base.layout, base.scale, **held)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_float32_and_float64_gpu_inputs_run_the_reference_on_the_gpu(monkeypatch, dtype):
+    monkeypatch.setattr(cuda, "available", lambda: ["no CUDA GPU is visible"])
+    monkeypatch.setattr(backends, "_has_cupy", lambda: True)
+    monkeypatch.setattr(backends, "cupy_stream", lambda holder: contextlib.nullcontext())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no copy to the host: nothing to warn about
+        chosen = select(device_inputs(dtype), "forward")
+    assert chosen.name == "reference"
+    assert chosen.runs_on(device_inputs(dtype)) == "CuPy, on cuda:0"
+    q = Q.astype(dtype)
+    lay = device_inputs(dtype).layout
+    want = reference.forward(q, q, q, lay, precision=dtype)
+    got = chosen.forward(device_inputs(dtype))
+    for g, w in zip(got, want, strict=True):
+        assert isinstance(g, DeviceArrays)
+        np.testing.assert_array_equal(g.native, w)
+    dout = np.ones_like(q)
+    grads = chosen.backward(device_inputs(dtype, dout=dout, out=want[0], lse=want[1]))
+    for g, w in zip(grads, reference.backward(dout, q, q, q, *want, lay, precision=dtype), strict=True):
+        np.testing.assert_array_equal(g.native, w)
+
+
+def test_gpu_inputs_go_to_host_copies_without_cupy_or_in_half_precision(monkeypatch):
+    monkeypatch.setattr(cuda, "available", lambda: ["no CUDA GPU is visible"])
+    reference_backend = backends.BACKENDS["reference"]
+    monkeypatch.setattr(backends, "_has_cupy", lambda: True)
+    assert reference_backend.runs_on(gpu_inputs()) == "NumPy, on the host, copied from cuda:0 and back"
+    monkeypatch.setattr(backends, "_has_cupy", lambda: False)
+    f32 = Inputs(*(OnGpu(Q, name) for name in "qkv"), gpu_inputs().layout, gpu_inputs().scale)
+    assert reference_backend.runs_on(f32) == "NumPy, on the host, copied from cuda:0 and back"
+    with pytest.warns(RuntimeWarning, match="running the NumPy reference on the host because cuda: "):
+        select(f32, "forward")
+    assert reference_backend.runs_on(inputs_of()) == "NumPy, on the host"
+    assert backends.runs_on(Q, Q, Q) == "reference (NumPy, on the host)"
 
 
 def test_cuda_takes_positive_scales_only():

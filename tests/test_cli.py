@@ -61,7 +61,8 @@ def test_info_describes_every_backend_and_what_it_can_run(capsys):
     if where == "cpu":
         reason = f"FlexAttention has no backward on the CPU (torch {torch.__version__})"
         assert f"  flex: forward can run; backward cannot run: {reason}" in lines
-        assert lines.count("  chosen: reference (forward), reference (backward)") == 3
+        assert lines.count("  chosen: reference (forward), reference (backward)") == 4
+        assert lines.count("  runs on: reference (NumPy, on the host)") == 4
     else:
         assert "  chosen: cuda (forward), cuda (backward)" in lines
 

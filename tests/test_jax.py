@@ -4,6 +4,8 @@ jit on XLA's buffers and stream."""
 
 from __future__ import annotations
 
+import warnings
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -190,7 +192,10 @@ def test_gpu_kernels_trace_into_buffer_callbacks(on_gpu, kernels_can_run):
     assert "pure_callback" not in str(jax.make_jaxpr(jax.jit(loss_and_grad(causal=True)))(q))
 
 
-def test_gpu_inputs_the_kernels_cannot_take_run_the_reference_on_host_copies(on_gpu):
+def test_gpu_inputs_the_kernels_cannot_take_run_the_reference_on_host_copies_without_cupy(
+    on_gpu, monkeypatch
+):
+    monkeypatch.setattr(backends, "_has_cupy", lambda: False)
     q, k, v = arrays_of(dtype=np.float32)
     want = reference.forward(*(np.asarray(x) for x in (q, k, v)), patterns.causal().layout(24))[0]
     f = jax.jit(lambda q: ca_jax.attention(q, k, v, causal=True))
@@ -201,6 +206,25 @@ def test_gpu_inputs_the_kernels_cannot_take_run_the_reference_on_host_copies(on_
     np.testing.assert_array_equal(np.asarray(ca_jax.attention(q, k, v, causal=True)), want)  # eager too
     with pytest.raises(ValueError, match="backend 'cuda' cannot run the forward"):
         jax.jit(lambda q: ca_jax.attention(q, k, v, backend="cuda"))(q)
+
+
+def test_float32_and_float64_gpu_inputs_trace_into_the_reference_on_xla_buffers(on_gpu, monkeypatch, x64):
+    """With CuPy, the reference runs on XLA's GPU buffers (a buffer_callback), with no host copy and no
+    warning. Traced only: these arrays are on the CPU, however they describe themselves."""
+    monkeypatch.setattr(backends, "_has_cupy", lambda: True)
+    for dtype in (np.float32, np.float64):
+        (q,) = arrays_of(dtype=dtype)[:1]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            jaxpr = jax.make_jaxpr(jax.jit(loss_and_grad(causal=True)))(q)
+        calls = [e for e in jaxpr.jaxpr.eqns[0].params["jaxpr"].eqns if "callback" in e.primitive.name]
+        assert [(e.primitive.name, type(e.params["callback"])) for e in calls] == [
+            ("buffer_callback", ca_jax._ReferenceOnGpu)
+        ] * 2
+        lse = "float64" if dtype == np.float64 else "float32"
+        name = np.dtype(dtype).name
+        results = [[a.dtype.name for a in e.params["result_avals"]] for e in calls]
+        assert results == [[name, lse], [name] * 3]
 
 
 def test_without_buffer_callback_the_cpu_copies_and_a_gpu_says_which_jax(monkeypatch):

@@ -337,6 +337,70 @@ def test_random_qkv_orders():
         random_qkv(rng, 1, 1, 1, 4, 4, 8, np.float32, layout="sbhd")
 
 
+# ---- array API namespaces ----------------------------------------------------------------------------------
+# The reference runs in the namespace of its arrays (CuPy on a GPU). array_api_strict arrays hold NumPy data
+# but refuse everything outside the standard, so a reference that runs on them uses nothing else; its
+# operations are NumPy's, so its results are NumPy's, bit for bit.
+
+
+def strict_arrays(*arrays):
+    xp = pytest.importorskip("array_api_strict")
+    return xp, [xp.asarray(x) for x in arrays]
+
+
+def assert_same_bits(got, want, xp) -> None:
+    assert type(got) is type(xp.asarray(0.0)), f"a result of {type(got).__module__}, not of the namespace"
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert np.asarray(got).dtype == want.dtype
+
+
+@settings(max_examples=30, deadline=None)
+@given(cases(max_seq=160), st.sampled_from([np.float32, np.float64]))
+def test_array_api_strict_arrays_give_numpy_bits(case, dtype):
+    rng = np.random.default_rng(case.seed)
+    lay = case.layout(rng)
+    q, k, v = random_qkv(rng, case.B, case.Hq, case.Hkv, case.Sq, case.Sk, case.D, dtype, case.order)
+    dout = rng.standard_normal(q.shape).astype(dtype)
+    with mock.patch.object(reference, "CHUNK_BYTES", case.chunk_bytes):
+        want = reference.forward(q, k, v, lay, scale=case.scale, precision=dtype)
+        want_grads = reference.backward(dout, q, k, v, *want, lay, scale=case.scale, precision=dtype)
+        xp, strict = strict_arrays(dout, q, k, v, *want)
+        got = reference.forward(*strict[1:4], lay, scale=case.scale, precision=dtype)
+        grads = reference.backward(*strict, lay, scale=case.scale, precision=dtype)
+    for g, w in zip((*got, *grads), (*want, *want_grads), strict=True):
+        assert_same_bits(g, w, xp)
+
+
+def test_array_api_strict_empty_rows_and_precision():
+    """Rows that attend to nothing (a block row, a whole batch element), float32 inputs in float64."""
+    rng = np.random.default_rng(13)
+    blocks = np.zeros((2, 1, 4, 4), bool)
+    blocks[0, :, 1:3, 1:] = True
+    lay = BlockLayout(blocks, block_size=32, seq_q=128, seq_k=100)
+    q, k, v, dout = random_qkv(rng, 2, 2, 2, 128, 100, 16, np.float32) + (
+        rng.standard_normal((2, 2, 128, 16)).astype(np.float32),
+    )
+    want = reference.forward(q, k, v, lay, precision=np.float64)
+    want_grads = reference.backward(dout, q, k, v, *want, lay, precision=np.float64)
+    xp, strict = strict_arrays(dout, q, k, v, *want)
+    got = reference.forward(*strict[1:4], lay, precision=np.float64)
+    assert got[0].dtype == xp.float32 and got[1].dtype == xp.float64
+    grads = reference.backward(*strict, lay, precision=np.float64)
+    for g, w in zip((*got, *grads), (*want, *want_grads), strict=True):
+        assert_same_bits(g, w, xp)
+    assert np.all(np.asarray(got[1])[1] == -np.inf)
+
+
+def test_arrays_of_two_namespaces_are_refused():
+    xp, (q,) = strict_arrays(np.zeros((1, 1, 16, 8), np.float32))
+    lay = BlockLayout(np.ones((1, 1), bool), block_size=16, seq_q=16)
+    k = np.zeros((1, 1, 16, 8), np.float32)
+    with pytest.raises(
+        TypeError, match=r"q, k, v must be arrays of one namespace, got q array_api_strict, k "
+    ):
+        reference.forward(q, k, k, lay)
+
+
 # ---- validation --------------------------------------------------------------------------------------------
 
 
