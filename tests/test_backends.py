@@ -519,7 +519,7 @@ def device_inputs(dtype=np.float32, **extra):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_float32_and_float64_gpu_inputs_run_the_reference_on_the_gpu(monkeypatch, dtype):
-    monkeypatch.setattr(cuda, "available", lambda: ["no CUDA GPU is visible"])
+    monkeypatch.setattr(devices, "available", lambda: ["no CUDA GPU is visible"])
     monkeypatch.setattr(backends, "_has_cupy", lambda: True)
     monkeypatch.setattr(backends, "cupy_stream", lambda holder: contextlib.nullcontext())
     with warnings.catch_warnings():
@@ -541,7 +541,7 @@ def test_float32_and_float64_gpu_inputs_run_the_reference_on_the_gpu(monkeypatch
 
 
 def test_gpu_inputs_go_to_host_copies_without_cupy_or_in_half_precision(monkeypatch):
-    monkeypatch.setattr(cuda, "available", lambda: ["no CUDA GPU is visible"])
+    monkeypatch.setattr(devices, "available", lambda: ["no CUDA GPU is visible"])
     reference_backend = backends.BACKENDS["reference"]
     monkeypatch.setattr(backends, "_has_cupy", lambda: True)
     assert reference_backend.runs_on(gpu_inputs()) == "NumPy, on the host, copied from cuda:0 and back"
