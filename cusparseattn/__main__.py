@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 
 _DESCRIPTION = "cusparseattn: block-sparse attention for NumPy, CuPy, PyTorch and JAX arrays."
-# The reference's own error against float64 is doubled, then this slack added (a few units in the last place
-# of values of order 1): the rule of the test suite, see tests/oracle.py.
-_SLACK = {"float16": 1e-3, "bfloat16": 8e-3, "float32": 1e-5}
+# The dtypes the demo runs in; its check is the test suite's rule (cusparseattn.testing): the reference's own
+# error against float64 doubled, plus a slack of a few units in the last place (testing.ATOL).
+_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _gpu_reasons() -> list[str]:
@@ -63,6 +63,7 @@ def _first_runnable(why: dict[str, list[str]]) -> str | None:
 
 def demo(args: argparse.Namespace) -> int:
     from . import attention, backends, patterns, reference
+    from .testing import ATOL
 
     seq_len, block = args.seq_len, args.block
     window = args.window or max(block, seq_len // 4)
@@ -112,10 +113,10 @@ def demo(args: argparse.Namespace) -> int:
     low, _ = reference.forward(qh, kh, vh, layout)
     err = float(np.abs(_to_host(out).astype(np.float64) - ref64).max())
     low_err = float(np.abs(low.astype(np.float64) - ref64).max())
-    allowed = 2 * low_err + _SLACK[args.dtype]
+    allowed = 2 * low_err + ATOL[args.dtype]
     print(
         f"max error vs the float64 reference: {err:.3e} (allowed {allowed:.3e}: twice the {args.dtype} "
-        f"reference's own {low_err:.3e}, plus {_SLACK[args.dtype]:g})"
+        f"reference's own {low_err:.3e}, plus {ATOL[args.dtype]:g})"
     )
     ok = bool(np.isfinite(err) and err <= allowed)
     print("PASS" if ok else "FAIL")
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--window", type=int, help="local window in tokens (default max(block, seq_len / 4))")
     run.add_argument("--heads", type=int, default=4, help="heads (default 4)")
     run.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
-    run.add_argument("--dtype", choices=sorted(_SLACK), default="float16", help="dtype (default float16)")
+    run.add_argument("--dtype", choices=_DTYPES, default="float16", help="dtype (default float16)")
     run.add_argument("--png", type=Path, help="also draw the layout into this PNG file (needs pillow)")
     run.set_defaults(func=demo)
     commands.add_parser("info", help="versions, GPU, and which backends can run here").set_defaults(func=info)

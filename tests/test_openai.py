@@ -7,10 +7,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import check_close
 
 from cusparseattn import openai
 from cusparseattn.layout import BlockLayout
+from cusparseattn.testing import check_close
 
 
 # ---- the original's layouts and callbacks, stated again block by block (small sizes only) ------------------
