@@ -8,6 +8,7 @@
 
 Examples (shell)::
 
+    python -m cusparseattn --version
     python -m cusparseattn demo
     python -m cusparseattn demo --seq-len 1000 --block 32 --dtype bfloat16 --png layout.png
     python -m cusparseattn info
@@ -69,9 +70,8 @@ def demo(args: argparse.Namespace) -> int:
     window = args.window or max(block, seq_len // 4)
     try:
         layout = patterns.local(window=window, block=block).layout(seq_len)
-    except ValueError as err:  # a block size or window the library refuses: say why, no traceback
-        print(f"cusparseattn demo: {err}", file=sys.stderr)
-        return 2
+    except ValueError as err:  # a block size or window the library refuses: the usage and why, no traceback
+        args.parser.error(str(err))
     print(f"layout: local window of {window} tokens, block {block}, seq_len {seq_len}")
     print(str(layout))
     if args.png:
@@ -228,8 +228,12 @@ def _chosen(backends, q, k, v, op: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line; returns the exit code (``main(["info"])`` prints the environment report)."""
+    """The command line; returns the exit code (``main(["info"])`` prints the environment report). A usage
+    error exits with status 2 after the usage line and the reason, as argparse's own errors do."""
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="cusparseattn", description=_DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"cusparseattn {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,info}")
     run = commands.add_parser("demo", help="run a small block-sparse attention and check it against float64")
     run.add_argument("--seq-len", type=int, default=512, help="sequence length (default 512)")
@@ -239,14 +243,14 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
     run.add_argument("--dtype", choices=_DTYPES, default="float16", help="dtype (default float16)")
     run.add_argument("--png", type=Path, help="also draw the layout into this PNG file (needs pillow)")
-    run.set_defaults(func=demo)
+    run.set_defaults(func=demo, parser=run)
     commands.add_parser("info", help="versions, GPU, and which backends can run here").set_defaults(func=info)
     args = parser.parse_args(argv)
     if args.command == "demo":
         for name in ("seq_len", "window", "heads", "head_dim"):
             value = getattr(args, name)
             if value is not None and value < 1:
-                parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+                run.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     return args.func(args)
 
 
