@@ -187,8 +187,8 @@ def forward_lagging_max(head_dim: int, tiles: tuple[int, int, int]) -> bool:
     OnlineSoftmax, FlashAttention-4's rescale threshold), rescaling the output only where a row of the warp
     moved it: on the 192-row tiles at head dim 64, where ptxas then waits for the running P V after the first
     exponentials rather than right after the row max. Head dim 128 and the 128-row tiles at 64 gain nothing
-    from it and keep the exact max, whose row's largest probability rounds exactly (README: the error it
-    costs; docs/tuning.md: forward_lagging_max)."""
+    from it and keep the exact max, whose row's largest probability rounds exactly (docs/tuning.md,
+    forward_lagging_max: the error it costs)."""
     return head_dim == 64 and tiles[0] > 128
 
 
