@@ -44,6 +44,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -615,7 +616,18 @@ def _positive(text: str) -> int:
     return values[0]
 
 
-def main(argv=None):
+def gpu_missing() -> str | None:
+    """Why this machine cannot run the benchmark (it times CUDA kernels on PyTorch's tensors), or None."""
+    try:
+        import torch
+    except ImportError:
+        return "needs PyTorch with CUDA, and PyTorch is not installed"
+    if not torch.cuda.is_available():
+        return f"needs a CUDA GPU; PyTorch {torch.__version__} sees none (torch.cuda.is_available() is False)"
+    return None
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -651,6 +663,10 @@ def main(argv=None):
     parts = args.only or (["compile", "cases"] if args.quick else PARTS)
     seqs = args.seqs or ([4096] if args.quick else [4096, 16384])
     backward = not args.no_backward
+    missing = gpu_missing()
+    if missing:
+        print(f"benchmarks/bench.py {missing}", file=sys.stderr)
+        return 1
     import torch
 
     results = {
@@ -688,7 +704,8 @@ def main(argv=None):
     plot(results, args.out / "bench.png")
     summary(results["cases"])
     print(f"total {sum(results['seconds'].values()):.0f} s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,6 +8,7 @@
 
 Examples (shell)::
 
+    python -m cusparseattn --version
     python -m cusparseattn demo
     python -m cusparseattn demo --seq-len 1000 --block 32 --dtype bfloat16 --png layout.png
     python -m cusparseattn info
@@ -25,9 +26,9 @@ from pathlib import Path
 import numpy as np
 
 _DESCRIPTION = "cusparseattn: block-sparse attention for NumPy, CuPy, PyTorch and JAX arrays."
-# The reference's own error against float64 is doubled, then this slack added (a few units in the last place
-# of values of order 1): the rule of the test suite, see tests/oracle.py.
-_SLACK = {"float16": 1e-3, "bfloat16": 8e-3, "float32": 1e-5}
+# The dtypes the demo runs in; its check is the test suite's rule (cusparseattn.testing): the reference's own
+# error against float64 doubled, plus a slack of a few units in the last place (testing.ATOL).
+_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _gpu_reasons() -> list[str]:
@@ -63,14 +64,14 @@ def _first_runnable(why: dict[str, list[str]]) -> str | None:
 
 def demo(args: argparse.Namespace) -> int:
     from . import attention, backends, patterns, reference
+    from .testing import ATOL
 
     seq_len, block = args.seq_len, args.block
     window = args.window or max(block, seq_len // 4)
     try:
         layout = patterns.local(window=window, block=block).layout(seq_len)
-    except ValueError as err:  # a block size or window the library refuses: say why, no traceback
-        print(f"cusparseattn demo: {err}", file=sys.stderr)
-        return 2
+    except ValueError as err:  # a block size or window the library refuses: the usage and why, no traceback
+        args.parser.error(str(err))
     print(f"layout: local window of {window} tokens, block {block}, seq_len {seq_len}")
     print(str(layout))
     if args.png:
@@ -112,10 +113,10 @@ def demo(args: argparse.Namespace) -> int:
     low, _ = reference.forward(qh, kh, vh, layout)
     err = float(np.abs(_to_host(out).astype(np.float64) - ref64).max())
     low_err = float(np.abs(low.astype(np.float64) - ref64).max())
-    allowed = 2 * low_err + _SLACK[args.dtype]
+    allowed = 2 * low_err + ATOL[args.dtype]
     print(
         f"max error vs the float64 reference: {err:.3e} (allowed {allowed:.3e}: twice the {args.dtype} "
-        f"reference's own {low_err:.3e}, plus {_SLACK[args.dtype]:g})"
+        f"reference's own {low_err:.3e}, plus {ATOL[args.dtype]:g})"
     )
     ok = bool(np.isfinite(err) and err <= allowed)
     print("PASS" if ok else "FAIL")
@@ -228,8 +229,12 @@ def _chosen(choose, q, k, v, op: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line; returns the exit code (``main(["info"])`` prints the environment report)."""
+    """The command line; returns the exit code (``main(["info"])`` prints the environment report). A usage
+    error exits with status 2 after the usage line and the reason, as argparse's own errors do."""
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="cusparseattn", description=_DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"cusparseattn {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,info}")
     run = commands.add_parser("demo", help="run a small block-sparse attention and check it against float64")
     run.add_argument("--seq-len", type=int, default=512, help="sequence length (default 512)")
@@ -237,16 +242,16 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--window", type=int, help="local window in tokens (default max(block, seq_len / 4))")
     run.add_argument("--heads", type=int, default=4, help="heads (default 4)")
     run.add_argument("--head-dim", type=int, default=64, help="head dim (default 64)")
-    run.add_argument("--dtype", choices=sorted(_SLACK), default="float16", help="dtype (default float16)")
+    run.add_argument("--dtype", choices=_DTYPES, default="float16", help="dtype (default float16)")
     run.add_argument("--png", type=Path, help="also draw the layout into this PNG file (needs pillow)")
-    run.set_defaults(func=demo)
+    run.set_defaults(func=demo, parser=run)
     commands.add_parser("info", help="versions, GPU, and which backends can run here").set_defaults(func=info)
     args = parser.parse_args(argv)
     if args.command == "demo":
         for name in ("seq_len", "window", "heads", "head_dim"):
             value = getattr(args, name)
             if value is not None and value < 1:
-                parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+                run.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     return args.func(args)
 
 

@@ -11,7 +11,7 @@ kernel with the float64 reference, so the kernels accept it. No ``-use_fast_math
 single-precision functions.
 
 ``python -m cusparseattn.build --check sm_80 sm_90`` compiles every specialisation with nvcc and fails on
-register spills (CI runs it; no GPU needed).
+register spills (a step of ``.ci/run`` where nvcc is installed; no GPU needed).
 """
 
 from __future__ import annotations
@@ -187,8 +187,8 @@ def forward_lagging_max(head_dim: int, tiles: tuple[int, int, int]) -> bool:
     OnlineSoftmax, FlashAttention-4's rescale threshold), rescaling the output only where a row of the warp
     moved it: on the 192-row tiles at head dim 64, where ptxas then waits for the running P V after the first
     exponentials rather than right after the row max. Head dim 128 and the 128-row tiles at 64 gain nothing
-    from it and keep the exact max, whose row's largest probability rounds exactly (README: the error it
-    costs; docs/tuning.md: forward_lagging_max)."""
+    from it and keep the exact max, whose row's largest probability rounds exactly (docs/tuning.md,
+    forward_lagging_max: the error it costs)."""
     return head_dim == 64 and tiles[0] > 128
 
 
@@ -663,10 +663,21 @@ def nvrtc_compile(lib, source: str, arch: str, include: str) -> str:
     return buf.value.decode(errors="replace")
 
 
-def check(archs: list[str]) -> int:
-    """Compile every spec with nvcc for each arch (registers, spills) and with NVRTC where libnvrtc is
-    installed (the run-time path). Fails on an error, a spill or warpgroup MMAs that ptxas serialized.
-    Needs nvcc, no GPU."""
+def compile_targets(archs: list[str], specs=None) -> dict[KernelSpec | RuleSpec, list[str]]:
+    """The architectures each spec compiles for in `check` (``specs`` defaults to `all_specs`): a kernel for
+    one architecture (sm_90a) compiles for it alone, when any sm_9x is asked for; every other spec for each
+    of ``archs``."""
+    hopper = any(a.startswith("sm_9") for a in archs)
+    return {
+        spec: ([spec.arch] if hopper else []) if spec.arch else list(archs)
+        for spec in (all_specs() if specs is None else specs)
+    }
+
+
+def check(archs: list[str], specs=None) -> int:
+    """Compile every spec (or those of ``specs``) with nvcc for each arch (registers, spills) and with NVRTC
+    where libnvrtc is installed (the run-time path); returns the number that failed. Fails on an error, a
+    spill or warpgroup MMAs that ptxas serialized. Needs nvcc, no GPU."""
     import os
     import shutil
     import subprocess
@@ -717,20 +728,16 @@ def check(archs: list[str]) -> int:
 
     failures = 0
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(os.cpu_count() or 2) as pool:
-        # A kernel for one architecture (sm_90a) compiles for it alone, when any sm_9x is asked for.
-        targets = {
-            spec: ([spec.arch] if any(a.startswith("sm_9") for a in archs) else []) if spec.arch else archs
-            for spec in all_specs()
-        }
         jobs = [
             pool.submit(compile_one, tmp, spec, arch, arch == arches[-1])
-            for spec, arches in targets.items()
+            for spec, arches in compile_targets(archs, specs).items()
             for arch in arches
         ]
         for job in jobs:
             line, problems = job.result()
             failures += bool(problems)
             print("\n".join([line, *problems]))
+    print(f"{len(jobs) - failures} of {len(jobs)} compiled for {', '.join(archs)}: {failures} failed")
     return failures
 
 

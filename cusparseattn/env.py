@@ -5,10 +5,10 @@
 - ``CUSPARSEATTN_VERBOSE=1``: log each kernel compile with its time.
 - ``CUSPARSEATTN_HOPPER=0``: run the portable (mma.sync) kernels on Hopper GPUs too, for comparison.
 - ``CUSPARSEATTN_FUSED_BACKWARD=0``: on Hopper GPUs, run the backward as the dQ and dK/dV passes, not as one
-  fused pass (the default; the README gives their measured speeds).
+  fused pass (the default; docs/tuning.md gives their measured speeds).
 - ``CUSPARSEATTN_DETERMINISTIC=0``: let the fused Hopper backward add each query tile's parts of dQ in the
   order they land (as FlashAttention's atomic adds do), not in an order fixed per query tile: faster at head
-  dim 64 (the README gives by how much), but dQ's last bits may differ from run to run.
+  dim 64 (docs/history.md gives by how much), but dQ's last bits may differ from run to run.
 """
 
 from __future__ import annotations

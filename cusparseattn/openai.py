@@ -176,6 +176,8 @@ def split_heads(x, n: int):
     >>> split_heads(np.zeros((2, 5, 12)), 3).shape
     (2, 3, 5, 4)
     """
+    if len(x.shape) != 3:
+        raise ValueError(f"x must be [batch, n_ctx, n_embd] (3 dimensions), got shape {tuple(x.shape)}")
     batch, t, m = x.shape
     if m % _positive("n (heads)", n):
         raise ValueError(f"n_embd={m} is not a multiple of n={n} heads")
@@ -188,7 +190,14 @@ def merge_heads(x):
     >>> import numpy as np
     >>> merge_heads(np.zeros((2, 3, 5, 4))).shape
     (2, 5, 12)
+    >>> merge_heads(np.zeros((2, 5, 12)))
+    Traceback (most recent call last):
+    ValueError: x must be [batch, heads, n_ctx, head_dim] (4 dimensions), got shape (2, 5, 12)
     """
+    if len(x.shape) != 4:
+        raise ValueError(
+            f"x must be [batch, heads, n_ctx, head_dim] (4 dimensions), got shape {tuple(x.shape)}"
+        )
     batch, heads, t, d = x.shape
     return _permute(x, (0, 2, 1, 3)).reshape((batch, t, heads * d))
 

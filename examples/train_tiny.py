@@ -202,24 +202,47 @@ def train(cfg: Config, kind: str, device: str) -> list[float]:
     return losses
 
 
-def plot(result: dict, path: Path) -> None:
-    try:
-        import matplotlib
+# The plot's size, margins (left, top, right, bottom) and colours: sparse blue, dense orange, the floor grey.
+PLOT_SIZE, PLOT_MARGINS = (840, 480), (70, 20, 20, 60)
+COLOURS = {"sparse": (31, 119, 180), "dense": (255, 127, 14), "floor": (128, 128, 128)}
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+
+def plot(result: dict, path: Path) -> None:
+    """Both loss curves and the task's floor against the step, drawn with Pillow (the ``plot`` extra)."""
+    try:
+        from PIL import Image, ImageDraw
     except ImportError:
-        print("matplotlib missing: no plot")
+        print("Pillow missing (pip install 'cusparseattn[plot]'): no plot")
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for kind in ("sparse", "dense"):
-        ax.plot(result[kind], label=result["labels"][kind])
-    ax.axhline(result["floor"], color="gray", linestyle="--", label="task floor")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/token)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    (width, height), (left, top, right, bottom) = PLOT_SIZE, PLOT_MARGINS
+    curves = [result["sparse"], result["dense"]]
+    low, high = min(result["floor"], *map(min, curves)), max(map(max, curves))
+    steps = max(len(c) for c in curves) - 1 or 1
+    span = high - low or 1.0
+
+    def point(step, loss):
+        x = left + (width - left - right) * step / steps
+        return x, top + (height - top - bottom) * (high - loss) / span
+
+    img = Image.new("RGB", PLOT_SIZE, "white")
+    draw = ImageDraw.Draw(img)
+    draw.rectangle([left, top, width - right, height - bottom], outline="black")
+    for kind, losses in zip(("sparse", "dense"), curves, strict=True):
+        draw.line([point(i, x) for i, x in enumerate(losses)], fill=COLOURS[kind], width=2)
+    y_floor = point(0, result["floor"])[1]
+    for x in range(left, width - right, 12):  # dashed
+        draw.line([(x, y_floor), (min(x + 6, width - right), y_floor)], fill=COLOURS["floor"])
+    for loss in (low, high):
+        draw.text((4, point(0, loss)[1] - 6), f"{loss:.2f}", fill="black")
+    draw.text((left, height - bottom + 4), "0", fill="black")
+    draw.text((width - right - 30, height - bottom + 4), str(steps), fill="black")
+    draw.text((left, height - 22), "x: step; y: training loss (nats/token)", fill="black")
+    names = {**result["labels"], "floor": "task floor"}
+    for i, kind in enumerate(("sparse", "dense", "floor")):
+        y = top + 8 + 14 * i
+        draw.line([(width - right - 330, y + 6), (width - right - 310, y + 6)], fill=COLOURS[kind], width=2)
+        draw.text((width - right - 305, y), names[kind], fill="black")
+    img.save(path)
 
 
 def main(argv=None) -> dict:

@@ -9,31 +9,20 @@ repeatable; locally examples vary from run to run and failures are replayed from
 
 from __future__ import annotations
 
-import functools
 import os
 
 import pytest
 from hypothesis import settings
 
+from cusparseattn.testing import NO_GPU, gpu_count
+
 # JAX takes 75 % of the GPU's memory when first used; the torch and CuPy tests of this process need it too.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-NO_GPU = "no CUDA GPU visible (cupy.cuda.runtime.getDeviceCount() == 0 or CuPy missing)"
 _CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 settings.register_profile("ci", deadline=None, derandomize=_CI, print_blob=True)
 settings.load_profile("ci")
-
-
-@functools.cache
-def gpu_count() -> int:
-    """CUDA GPUs that CuPy sees; 0 without CuPy, a driver or a device."""
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # ImportError, or CUDARuntimeError without a driver
-        return 0
 
 
 def pytest_report_header(config) -> list[str]:

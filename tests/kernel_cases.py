@@ -1,5 +1,6 @@
 """Shared pieces of the GPU kernel tests: random cases, host <-> device transfer, and launches with poisoned
-outputs (NaN before the kernel runs, so an element a kernel forgets to write shows).
+outputs (`cusparseattn.testing.poisoned`: NaN before the kernel runs, so an element a kernel forgets to write
+shows).
 
 Tensors travel through PyTorch; the kernels are called through `cusparseattn.cuda` directly, so these tests
 see the kernels alone (the backends and adapters have their own tests).
@@ -15,6 +16,7 @@ import pytest
 from hypothesis import strategies as st
 
 from cusparseattn import BlockLayout, TokenRule, patterns
+from cusparseattn.testing import poisoned
 
 DTYPES = ["float16", "bfloat16"]
 
@@ -51,18 +53,13 @@ def _wrap(**tensors):
     return {name: arrays.wrap(t, name) for name, t in tensors.items()}
 
 
-def _poisoned(shape, dtype):
-    torch = _torch()
-    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
-
-
 def run_forward(q, k, v, layout, scale=None):
     """The forward kernel on host arrays: (out, lse) on the host."""
     torch = _torch()
     from cusparseattn import cuda
 
     tq, tk, tv = (to_device(x) for x in (q, k, v))
-    out, lse = _poisoned(tq.shape, tq.dtype), _poisoned(tq.shape[:3], torch.float32)
+    out, lse = poisoned(tq), poisoned(tq, tq.shape[:3], "float32")
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     h = _wrap(q=tq, k=tk, v=tv, out=out, lse=lse)
     cuda.forward(h["q"], h["k"], h["v"], h["out"], h["lse"], layout, scale)
@@ -77,10 +74,10 @@ def run_backward(dout, q, k, v, out, lse, layout, scale=None):
 
     t = {name: to_device(x) for name, x in dict(dout=dout, q=q, k=k, v=v, out=out, lse=lse).items()}
     grads = dict(
-        dq=_poisoned(t["q"].shape, t["q"].dtype),
-        dk=_poisoned(t["k"].shape, t["k"].dtype),
-        dv=_poisoned(t["v"].shape, t["v"].dtype),
-        stats=_poisoned(cuda.stats_shape(t["q"].shape, t["q"].device.index), torch.float32),
+        dq=poisoned(t["q"]),
+        dk=poisoned(t["k"]),
+        dv=poisoned(t["v"]),
+        stats=poisoned(t["q"], cuda.stats_shape(t["q"].shape, t["q"].device.index), "float32"),
     )
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     h = _wrap(**t, **grads)

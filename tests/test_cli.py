@@ -124,13 +124,37 @@ def test_demo_fails_on_a_wrong_result(monkeypatch, capsys):
     assert capsys.readouterr().out.splitlines()[-1] == "FAIL"
 
 
-def test_demo_refuses_bad_arguments(capsys):
-    assert main(["demo", "--block", "48"]) == 2
-    assert "block" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("args", "usage", "message"),
+    [
+        ([], "usage: cusparseattn [-h]", "the following arguments are required"),
+        (["bench"], "usage: cusparseattn [-h]", "invalid choice: 'bench'"),
+        (["info", "--seq-len", "8"], "usage: cusparseattn [-h]", "unrecognized arguments: --seq-len 8"),
+        (["demo", "--block", "48"], "usage: cusparseattn demo [-h]", "block"),
+        (
+            ["demo", "--seq-len", "0"],
+            "usage: cusparseattn demo [-h]",
+            "--seq-len must be a positive integer, got 0",
+        ),
+        (
+            ["demo", "--dtype", "int8"],
+            "usage: cusparseattn demo [-h]",
+            "argument --dtype: invalid choice: 'int8'",
+        ),
+    ],
+)
+def test_errors_show_the_usage_line(args, usage, message, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["demo", "--seq-len", "0"])
+        main(args)
     assert exc.value.code == 2
-    assert "--seq-len must be a positive integer, got 0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith(usage) and message in err.splitlines()[-1], err
+
+
+def test_version():
+    result = cli("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"cusparseattn {cusparseattn.__version__}\n"
 
 
 def _device(name, major: int, gib: int, sms: int) -> dict:

@@ -47,6 +47,12 @@ def test_train_tiny_learns_on_cpu(train_tiny, tmp_path, capsys):
     assert result["sparse"][0] == pytest.approx(result["dense"][0], rel=0.01)
     assert json.loads((tmp_path / "train_tiny.json").read_text())["sparse"] == result["sparse"]
     assert "final loss" in capsys.readouterr().out
+    image = pytest.importorskip("PIL.Image", reason="the plot extra (Pillow) draws the plot")
+    with image.open(tmp_path / "train_tiny.png") as img:
+        assert img.size == train_tiny.PLOT_SIZE
+        # Both curves are drawn in their colours.
+        colours = {colour for _, colour in img.convert("RGB").getcolors(maxcolors=1 << 16)}
+        assert {train_tiny.COLOURS["sparse"], train_tiny.COLOURS["dense"]} <= colours
 
 
 def test_train_tiny_full_window_matches_dense(train_tiny):
@@ -80,6 +86,23 @@ def test_bench_help_runs_without_gpu():
     )
     assert done.returncode == 0, done.stderr
     assert "--cases" in done.stdout and "train-memory" in done.stdout
+
+
+def test_bench_without_a_gpu_says_so_in_one_line():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is visible: the benchmark would run")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1 and done.stdout == "", done.stdout + done.stderr
+    assert done.stderr.splitlines() == [
+        f"benchmarks/bench.py needs a CUDA GPU; PyTorch {torch.__version__} sees none "
+        "(torch.cuda.is_available() is False)"
+    ]
 
 
 def test_bench_options_and_table(capsys):

@@ -10,6 +10,7 @@ import pytest
 from kernel_cases import _torch, np_dtype, to_device, to_host
 
 from cusparseattn import build, env
+from cusparseattn.testing import poisoned
 
 pytestmark = pytest.mark.gpu
 
@@ -47,16 +48,14 @@ def test_tma_and_both_warpgroup_products(dtype, head_dim):
     q, k, v = (rng.standard_normal((1, 1, n, head_dim)).astype(np_dtype(dtype)) for n in (50, 128, 128))
     tq, tk, tv = (to_device(x) for x in (q, k, v))
     # The TMA store's target: 50 rows of a 64-row buffer, so that the 14 rows past them must stay untouched.
-    o_stored = torch.full((1, 1, 64, head_dim), float("nan"), dtype=tk.dtype, device="cuda")
+    o_stored = poisoned(tk, (1, 1, 64, head_dim))
     maps = [
         tma.tile_map(arrays.wrap(t, name), rows)
         for t, name, rows in ((tq, "q", 64), (tk, "k", 128), (tv, "v", 128), (o_stored[:, :, :50], "out", 64))
     ]
-    k_raw = torch.full((128 * head_dim,), float("nan"), dtype=tk.dtype, device="cuda")
-    s_out = torch.full((64, 128), float("nan"), device="cuda")
-    o_out = torch.full((64, head_dim), float("nan"), device="cuda")
-    x_raw = torch.full((64 * 64,), float("nan"), dtype=tk.dtype, device="cuda")
-    xk_out = torch.full((64, head_dim), float("nan"), device="cuda")
+    k_raw, x_raw = poisoned(tk, (128 * head_dim,)), poisoned(tk, (64 * 64,))
+    s_out = poisoned(tk, (64, 128), "float32")
+    o_out, xk_out = (poisoned(tk, (64, head_dim), "float32") for _ in "ox")
     outs = (k_raw, s_out, o_out, x_raw, xk_out)
     function((1,), (128,), (*maps, *(t.data_ptr() for t in outs)), shared_mem=shared)
     torch.cuda.synchronize()

@@ -9,10 +9,10 @@ import warnings
 import ml_dtypes
 import numpy as np
 import pytest
-from oracle import backward_refs, check_close, forward_refs, random_qkv
 
 from cusparseattn import arrays, backends, patterns, plans, reference
 from cusparseattn.layout import BlockLayout, TokenRule
+from cusparseattn.testing import backward_refs, check_close, forward_refs, random_qkv
 
 jax = pytest.importorskip("jax")
 ca_jax = pytest.importorskip("cusparseattn.jax")

@@ -1,8 +1,9 @@
 """The CUDA backward kernels (dQ pass, dK/dV pass) against the reference, on the GPU (``pytest -m gpu``).
 
 Each case runs the forward kernel, then the backward kernels on its ``out`` and ``lse``, as training does.
-Gradients are poisoned with NaN before the launch (`kernel_cases`); the tolerance is the STYLE rule against
-the float64 reference backward (which the reference tests check against finite differences).
+Gradients are poisoned with NaN before the launch (`cusparseattn.testing.poisoned`); the tolerance is the
+STYLE rule against the float64 reference backward (which the reference tests check against finite
+differences).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from kernel_cases import (
     run_forward,
     to_host,
 )
-from oracle import backward_refs, check_close, random_qkv
 
 from cusparseattn import BlockLayout, patterns
+from cusparseattn.testing import backward_refs, check_close, poisoned, random_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -130,7 +131,7 @@ def test_64bit_offsets():
     names = dict(q=q, k=k, v=v, out=out, lse=lse)
     h = {n: arrays.wrap(t, n) for n, t in names.items()}
     cuda.forward(h["q"], h["k"], h["v"], h["out"], h["lse"], layout, 1 / math.sqrt(dim))
-    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    dq, dk, dv = (poisoned(t) for t in (q, k, v))
     stats = torch.empty(cuda.stats_shape(q.shape, q.device.index), device="cuda")
     g = {n: arrays.wrap(t, n) for n, t in dict(dout=dout, dq=dq, dk=dk, dv=dv, stats=stats).items()}
     cuda.backward(

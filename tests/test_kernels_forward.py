@@ -1,8 +1,8 @@
 """The CUDA forward kernel against the reference, on the GPU (``python -m pytest -m gpu``).
 
-Outputs are poisoned with NaN before each launch (`kernel_cases`) so that an element the kernel forgets to
-write shows. The tolerance is the STYLE rule: at most twice the error of the reference run in the inputs'
-precision.
+Outputs are poisoned with NaN before each launch (`cusparseattn.testing.poisoned`) so that an element the
+kernel forgets to write shows. The tolerance is the STYLE rule: at most twice the error of the reference run
+in the inputs' precision.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from kernel_cases import (
     to_device,
     to_host,
 )
-from oracle import check_close, forward_refs, random_qkv
 
 from cusparseattn import BlockLayout, build, patterns
+from cusparseattn.testing import check_close, forward_refs, poisoned, random_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -113,8 +113,7 @@ def test_64bit_offsets():
     q, k, v = (
         torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.float16, generator=gen) for _ in "qkv"
     )
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+    out, lse = poisoned(q), poisoned(q, q.shape[:3], "float32")
     wrapped = [arrays.wrap(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
     cuda.forward(*wrapped, layout, 1 / math.sqrt(dim))
     torch.cuda.synchronize()
@@ -286,8 +285,8 @@ def test_split_rows_of_holders_that_cannot_allocate(monkeypatch):
     stream = torch.cuda.current_stream().cuda_stream
     tensors = [to_device(x) for x in (q, k, v)]
     tensors += [
-        torch.full_like(tensors[0], float("nan")),
-        torch.full(q.shape[:3], float("nan"), device="cuda"),
+        poisoned(tensors[0]),
+        poisoned(tensors[0], q.shape[:3], "float32"),
     ]
     held = [
         arrays.FixedTensor(t, name, t.shape, t.stride(), dtype, ("cuda", 0), t.data_ptr(), stream)

@@ -2,9 +2,9 @@
 
 Forward and backward run through the public functions with ``backend="cuda"`` (CuPy float16 and torch
 bfloat16 inputs) and are compared with the reference on the same layout and score mod, by the STYLE rule
-(`oracle.check_close`): every ready-made mask mod as a layout (`patterns.from_mask`, its rule compiled as
-a C expression), every ready-made score mod, and random traced expressions. New values (a window, a
-softcap, slopes, a bias table) must not compile a new kernel.
+(`cusparseattn.testing.check_close`): every ready-made mask mod as a layout (`patterns.from_mask`, its rule
+compiled as a C expression), every ready-made score mod, and random traced expressions. New values (a window,
+a softcap, slopes, a bias table) must not compile a new kernel.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import time
 import numpy as np
 import pytest
 from kernel_cases import DTYPES, np_dtype, to_device, to_host
-from oracle import check_close, random_qkv
 from test_trace import Expressions, make_function
 
 import cusparseattn as ca
 from cusparseattn import build, mods, patterns, plan, reference
+from cusparseattn.testing import check_close, random_qkv
 
 pytestmark = pytest.mark.gpu
 

@@ -1,16 +1,17 @@
 """OpenAI's sparse_attention API: block layouts against the original's rules, and blocksparse == dense."""
 
 import math
+import re
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import check_close
 
 from cusparseattn import openai
 from cusparseattn.layout import BlockLayout
+from cusparseattn.testing import check_close
 
 
 # ---- the original's layouts and callbacks, stated again block by block (small sizes only) ------------------
@@ -298,10 +299,15 @@ def test_jax_inputs():
         (lambda: openai.get_blocksparse_obj(256, 2, "all", 8), "blocksize must be one of 16, 32, 64, 128"),
         (lambda: openai.get_attn_mask(16, "fixed"), "attn_mode must be one of 'all', 'local', 'strided'"),
         (lambda: openai.split_heads(np.zeros((1, 4, 10)), 3), "n_embd=10 is not a multiple of n=3"),
+        (lambda: openai.split_heads(np.zeros((1, 2, 4, 10)), 2), "x must be [batch, n_ctx, n_embd] (3 dim"),
+        (
+            lambda: openai.merge_heads(np.zeros((2, 5, 12))),
+            "x must be [batch, heads, n_ctx, head_dim] (4 dim",
+        ),
     ],
 )
 def test_errors_name_the_argument(call, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         call()
 
 

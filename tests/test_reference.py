@@ -11,10 +11,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from oracle import backward_refs, check_close, forward_refs, random_qkv
 
 from cusparseattn import reference
 from cusparseattn.layout import BlockLayout, TokenRule
+from cusparseattn.testing import backward_refs, check_close, forward_refs, random_qkv
 
 RULES = {
     "mod3": TokenRule("mod3", lambda b, h, q, k: (q + k) % 3 != 0),

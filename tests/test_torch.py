@@ -11,11 +11,11 @@ import weakref
 import numpy as np
 import pytest
 from kernel_cases import np_dtype, to_device, to_host
-from oracle import backward_refs, check_close, forward_refs, random_qkv
 
 import cusparseattn
 from cusparseattn import backends, patterns, plans, reference
 from cusparseattn.layout import BlockLayout, TokenRule
+from cusparseattn.testing import backward_refs, check_close, forward_refs, random_qkv
 
 torch = pytest.importorskip("torch")
 ca_torch = pytest.importorskip("cusparseattn.torch")

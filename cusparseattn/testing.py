@@ -1,25 +1,55 @@
-"""Shared test helpers: random attention inputs and the tolerance rule against the float64 reference.
+"""Testing helpers beside the oracle: random inputs, the tolerance rule against the float64 reference, and
+outputs poisoned with NaN.
 
 The rule (flash-attention's ``check_tensor_vs_ref``): a result computed in low precision passes when its error
-against the float64 reference is at most twice the error of the reference itself run in that low precision,
-plus a small absolute slack for rounding noise, both for the largest and for the mean error.
+against the float64 reference (`cusparseattn.reference` in float64) is at most twice the error of the
+reference itself run in that low precision, plus a small absolute slack for rounding noise (`ATOL`), both for
+the largest and for the mean error. A flat tolerance would pass bugs in one dtype and fail noise in another.
+
+Outputs a kernel writes are made with `poisoned` first: NaN everywhere, so an element the kernel forgets to
+write fails `check_close` (NaN never passes) instead of passing on whatever the memory held.
 
 >>> import numpy as np
+>>> from cusparseattn import patterns
 >>> rng = np.random.default_rng(0)
 >>> q, k, v = random_qkv(rng, 1, 4, 2, 40, 50, 16, np.float16, layout="bshd")
->>> q.shape, q.strides[1] < q.strides[2]
+>>> q.shape, q.strides[1] < q.strides[2]  # a [B, S, H, D] array seen as [B, H, S, D]
 ((1, 4, 40, 16), True)
+>>> layout = patterns.causal(block=16).layout(40, 50)
+>>> (out64, lse64), (out, lse) = forward_refs(q, k, v, layout)
+>>> check_close("out", out, out64, out, dtype=q.dtype)  # the low-precision reference passes its own rule
+>>> check_close("out", out + 0.1, out64, out, dtype=q.dtype)  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+AssertionError: out (float16): diff_max 1.0...e-01 (allowed ...
+>>> bool(np.isnan(poisoned(q, shape=q.shape[:3], dtype="float32")).all())
+True
 """
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-from cusparseattn import reference
+from . import arrays, reference
 
-# Absolute slack per input dtype, a few units in the last place of values of order 1 (attention outputs are
-# convex combinations of standard-normal values): it absorbs the one rounding of the output to the dtype and
-# summation-order noise when the low-precision reference happens to be nearly exact.
+__all__ = [
+    "ATOL",
+    "NO_GPU",
+    "backward_refs",
+    "check_close",
+    "forward_refs",
+    "gpu_count",
+    "poisoned",
+    "random_qkv",
+]
+
+#: Why GPU tests skip where `gpu_count` is 0.
+NO_GPU = "no CUDA GPU visible (cupy.cuda.runtime.getDeviceCount() == 0 or CuPy missing)"
+
+#: Absolute slack per input dtype, a few units in the last place of values of order 1 (attention outputs are
+#: convex combinations of standard-normal values): it absorbs the one rounding of the output to the dtype and
+#: summation-order noise when the low-precision reference happens to be nearly exact.
 ATOL = {
     "float16": 1e-3,  # eps 9.8e-4: about one ulp at 1
     "bfloat16": 8e-3,  # eps 7.8e-3: about one ulp at 1
@@ -28,8 +58,19 @@ ATOL = {
 }
 
 
+@functools.cache
+def gpu_count() -> int:
+    """CUDA GPUs that CuPy sees; 0 without CuPy, a driver or a device (GPU tests skip then)."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # ImportError, or CUDARuntimeError without a driver
+        return 0
+
+
 def random_qkv(rng, B, Hq, Hkv, Sq, Sk, D, dtype, layout="bhsd"):
-    """Standard-normal ``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, Sk, D]`` in ``dtype``.
+    """Standard-normal NumPy ``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, Sk, D]`` in ``dtype``.
 
     ``layout="bshd"`` makes each a contiguous ``[B, S, H, D]`` array seen as ``[B, H, S, D]`` through a
     transpose (the order most models keep), so strides are exercised.
@@ -42,6 +83,22 @@ def random_qkv(rng, B, Hq, Hkv, Sq, Sk, D, dtype, layout="bhsd"):
         x = rng.standard_normal(shape).astype(dtype)
         out.append(x if layout == "bhsd" else x.transpose(0, 2, 1, 3))
     return tuple(out)
+
+
+def poisoned(like, shape=None, dtype=None):
+    """A new array filled with NaN, of ``like``'s framework (NumPy, CuPy or PyTorch) on ``like``'s device.
+
+    ``shape`` and ``dtype`` (a name: ``"float32"``, ``"bfloat16"``, ...) default to ``like``'s. Hand it to a
+    kernel as an output: an element the kernel does not write stays NaN and fails `check_close`.
+    """
+    held = arrays.wrap(like, "like")
+    if held.framework not in ("numpy", "cupy", "torch"):
+        raise TypeError(f"like must be a NumPy, CuPy or PyTorch array (a writable one), got {held!r}")
+    out = held.empty(held.shape if shape is None else tuple(shape), held.dtype if dtype is None else dtype)
+    native = out.native
+    # torch fills in place with fill_; NumPy's and CuPy's fill is in place already.
+    (native.fill_ if held.framework == "torch" else native.fill)(float("nan"))
+    return native
 
 
 def check_close(name, got, ref64, low_ref, *, dtype):
