@@ -11,11 +11,11 @@ import warnings
 import numpy as np
 import pytest
 from kernel_cases import to_device, to_host
-from oracle import check_close, random_qkv
 
 import cusparseattn as ca
 from cusparseattn import arrays, backends, mods, patterns, reference
 from cusparseattn.layout import BlockLayout, TokenRule
+from cusparseattn.testing import check_close, random_qkv
 
 pytestmark = pytest.mark.gpu
 
