@@ -398,7 +398,10 @@ def vmapped(fn: Callable, framework: str, args) -> np.ndarray:
         import jax
         import jax.numpy as jnp
 
-        vmap, inputs = jax.vmap, [jnp.asarray(a) for a in squeezed]
+        def vmap(f, in_dims):
+            return jax.vmap(f, in_axes=in_dims)
+
+        inputs = [jnp.asarray(a) for a in squeezed]
     call = fn
     for ax in reversed(range(ndim)):
         dims = tuple(0 if ax in used else None for used in axes)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import inspect
+import math
 import sys
 import threading
 import types
@@ -421,11 +422,13 @@ class Graph:
     """The expression graph of one trace: interned nodes, parameters and captured arrays.
 
     ``symbolic_numbers`` turns the numbers a function captures into parameters before the call (one each);
-    without it they stay Python numbers and become one parameter per use.
+    without it they stay Python numbers and become one parameter per use. ``shared_numbers`` makes one
+    parameter per distinct value instead, for functions that would need more than the kernels take.
     """
 
-    def __init__(self, symbolic_numbers: bool = True):
-        self.symbolic_numbers = symbolic_numbers
+    def __init__(self, symbolic_numbers: bool = True, shared_numbers: bool = False):
+        self.symbolic_numbers, self.shared_numbers = symbolic_numbers, shared_numbers
+        self._shared: dict[tuple, Expr] = {}
         self._nodes: dict[tuple, Expr] = {}
         self._arrays: dict[int, _ArrayRef] = {}
         self._tensors: dict[int, tuple] = {}  # id(tensor) -> (tensor, its CapturedArray): met while tracing
@@ -458,11 +461,18 @@ class Graph:
     def param(self, value) -> Expr:
         """A new run-time parameter holding ``value`` (an int or a float)."""
         if isinstance(value, (int, np.integer)):
-            value = int(value)
+            kind, value = "int", int(value)
             if not -(2**63) <= value < 2**63:
                 raise TraceError(f"the integer {value} does not fit in 64 bits")
-            return self.node("param", "int", (), _Param(value))
-        return self.node("param", "float", (), _Param(float(value)))
+        else:
+            kind, value = "float", float(value)
+        if not self.shared_numbers:
+            return self.node("param", kind, (), _Param(value))
+        key = (kind, repr(value))
+        found = self._shared.get(key)
+        if found is None:
+            found = self._shared[key] = self.node("param", kind, (), _Param(value))
+        return found
 
     def operand(self, x) -> Expr:
         """``x`` as a node: traced values pass, Python bools become literals, numbers parameters."""
@@ -526,15 +536,21 @@ class Graph:
         return self.index(found[1], key if isinstance(key, tuple) else (key,))
 
     # ---- operations ----
-    def cast(self, x: Expr, kind: str) -> Expr:
-        if x.kind == kind:
-            return x
-        if kind == "bool":
-            return self.node("ne", "bool", (x, self.literal(0, x.kind)))
-        return self.node("cast", kind, (x,))
-
     def apply(self, op: str, *operands) -> Expr:
-        """The node of ``op`` on ``operands``, with Python's promotion rules (bool < int < float)."""
+        """The node of ``op`` on ``operands``, with Python's promotion rules (bool < int < float).
+        Arithmetic on numbers alone (``KERNEL // 2``, ``(H - 1) - K // 2``) is one parameter holding the
+        result: the kernels take few parameters, and a new value is a new trace anyway."""
+        out = self._apply(op, *operands)
+        if out.op in _FOLDED and out.args and all(a.op == "param" or a.op == "lit" for a in out.args):
+            if any(a.op == "param" for a in out.args):
+                value = _fold(
+                    out.op, out.kind, [a.data.value if a.op == "param" else a.data for a in out.args]
+                )
+                if value is not None:
+                    return self.param(value)
+        return out
+
+    def _apply(self, op: str, *operands) -> Expr:
         args = [self.operand(x) for x in operands]
         kinds = [a.kind for a in args]
         if op in _ARITHMETIC:
@@ -572,6 +588,13 @@ class Graph:
                 return cond if x.data else self.node("invert", "bool", (cond,))
             return self.node(op, kind, (self.cast(cond, "bool"), self.cast(x, kind), self.cast(y, kind)))
         raise TraceError(f"unsupported operation {op!r}; supported: {_SUPPORTED}")
+
+    def cast(self, x: Expr, kind: str) -> Expr:
+        if x.kind == kind:
+            return x
+        if kind == "bool":
+            return self.node("ne", "bool", (x, self.literal(0, x.kind)))
+        return self.node("cast", kind, (x,))
 
     def _logical(self, op: str, a: Expr, b: Expr) -> Expr:
         """``a && b`` / ``a || b`` of booleans, where a literal operand decides or drops out: FlexAttention's
@@ -674,6 +697,28 @@ class Graph:
             return cell
         new = self.capture(value, memo)
         return cell if new is value else types.CellType(new)
+
+
+_FOLDED = {"add", "sub", "mul", "truediv", "floordiv", "mod", "fmod", "neg", "abs", "minimum", "maximum"}
+
+
+def _fold(op: str, kind: str, values: list):
+    """``op`` on numbers as the node computes it (floor ``//`` and ``%``, C's ``fmod``); None where it has
+    no value (a division by zero), so the node stays."""
+    a, b = (values + [None])[:2]
+    try:
+        if op == "fmod":
+            out = math.fmod(a, b) if kind == "float" else int(math.copysign(abs(a) % abs(b), a))
+        else:
+            out = {
+                "add": lambda: a + b, "sub": lambda: a - b, "mul": lambda: a * b, "truediv": lambda: a / b,
+                "floordiv": lambda: a // b, "mod": lambda: a % b, "neg": lambda: -a, "abs": lambda: abs(a),
+                "minimum": lambda: min(a, b), "maximum": lambda: max(a, b),
+            }[op]()  # fmt: skip
+    except (ZeroDivisionError, OverflowError, ValueError):
+        return None
+    out = float(out) if kind == "float" else int(out)
+    return out if kind == "float" or -(2**63) <= out < 2**63 else None
 
 
 def _holds_functions(cell) -> bool:
@@ -861,37 +906,45 @@ def trace(fn: Callable, role: str, name: str | None = None) -> Program:
 
     Numbers the function captures become one parameter each; if that fails because the function needs one
     of them as a concrete value (a Python ``if`` or ``range`` on it), it is traced again with them left
-    concrete (each use then becomes its own parameter). Raises `TraceError` when it cannot be traced; its
-    message names the construct and the line of the user's code that stopped the trace (``site``), and its
-    ``frameworks`` the libraries the function reaches (``{"torch"}`` for a torch rule).
+    concrete (each use then becomes its own parameter). A program that needs more parameters than the
+    kernels take is traced again with one parameter per distinct value. Raises `TraceError` when it cannot
+    be traced; its message names the construct and the line of the user's code that stopped the trace
+    (``site``), and its ``frameworks`` the libraries the function reaches (``{"torch"}`` for a torch rule).
     """
     name = name or getattr(fn, "__name__", type(fn).__name__)
     check_arity(fn, role, name)
     error, frameworks = None, set()
     for symbolic_numbers in (True, False):
         graph = Graph(symbolic_numbers)
-        target = graph.capture(fn, {})
-        args = [graph.var(v, kind) for v, kind in ROLES[role]]
         try:
-            value = _output(graph, target(*args), role, name)
+            program = _trace_once(fn, role, name, graph)
         except NotCompilable:
             raise
         except Exception as exc:  # anything the user's code raises on traced values: not traceable
             error = exc
             frameworks |= graph.frameworks
             continue
-        outputs = {"value": value}
-        if role == "score_mod":
-            outputs["grad"] = Derivative(graph, args[0]).of(value)
-        return Program(outputs, role, name)
+        if len(program.int_params) > MAX_INT_PARAMS or len(program.float_params) > MAX_FLOAT_PARAMS:
+            return _trace_once(fn, role, name, Graph(symbolic_numbers, shared_numbers=True))
+        return program
     site = user_site(error.__traceback__)
     where = f" at {site}" if site else ""
     out = TraceError(
         f"{role} {name!r} cannot be traced ({type(error).__name__}: {error}){where}{defined_at(fn)}. "
         f"Supported: {_SUPPORTED}"
     )
-    out.site, out.frameworks = site, frameworks
+    out.site, out.frameworks, out.reason = site, frameworks, f"{type(error).__name__}: {error}{where}"
     raise out from error
+
+
+def _trace_once(fn: Callable, role: str, name: str, graph: Graph) -> Program:
+    target = graph.capture(fn, {})
+    args = [graph.var(v, kind) for v, kind in ROLES[role]]
+    value = _output(graph, target(*args), role, name)
+    outputs = {"value": value}
+    if role == "score_mod":
+        outputs["grad"] = Derivative(graph, args[0]).of(value)
+    return Program(outputs, role, name)
 
 
 def user_site(tb) -> str | None:
@@ -1371,6 +1424,60 @@ class TracedMask:
         if any(_root(x) == "torch" for x in (b, h, q, k)):
             return self.original(b, h, q, k)
         return self.program.evaluate("value", dict(b=b, h=h, q=q, k=k), xp=_array_module(b, h, q, k))
+
+
+class UntracedMask:
+    """A mask_mod that cannot be traced or compiled, as a `TokenRule` function: evaluated as FlexAttention
+    evaluates it. A rule that reaches torch runs on torch index tensors, and one that reaches JAX on jax
+    arrays, vmapped over every axis so that it sees scalars (`cusparseattn.tensorlike.vmapped`): never are
+    NumPy arrays handed to a torch function. Other rules run on the NumPy index arrays, and every rule on
+    torch indices (FlexAttention calling it) is the user's function itself."""
+
+    def __init__(self, original: Callable, framework: str):
+        self.original, self.framework = original, framework
+
+    def __call__(self, b, h, q, k):
+        if self.framework == "numpy" or any(_root(x) == "torch" for x in (b, h, q, k)):
+            return self.original(b, h, q, k)
+        return tensorlike.vmapped(self.original, self.framework, (b, h, q, k))
+
+    @property
+    def how(self) -> str:
+        if self.framework == "numpy":
+            return "on NumPy index arrays"
+        return f"as FlexAttention does (vmapped over {self.framework} index arrays)"
+
+
+def untraced_mask(fn: Callable, name: str, error: Exception) -> TokenRule:
+    """``fn``, which `trace` refused with ``error``, as a rule without a C expression (the kernels get its
+    partial blocks as bit masks), after one evaluation on a 2 x 2 grid: where that fails too, a `TraceError`
+    names both causes and where in the user's code they are, before any layout is built.
+
+    A rule that reaches torch or JAX (a module, array or function of theirs) runs on that framework's
+    arrays; one that reaches neither, on NumPy arrays, and where that fails (tensor methods such as
+    ``.clamp``) on torch's, then JAX's, of those already imported."""
+    graph = Graph(symbolic_numbers=False)
+    graph.capture(fn, {})
+    frameworks = graph.frameworks | getattr(error, "frameworks", set())
+    found = [f for f in ("torch", "jax") if f in frameworks]
+    loaded = [f for f, module in (("torch", "torch"), ("jax", "jax.numpy")) if module in sys.modules]
+    zero = np.zeros((1, 1, 1, 1), np.int64)
+    for framework in found[:1] or ["numpy", *loaded]:
+        rule = TokenRule(name, UntracedMask(fn, framework))
+        try:
+            rule(zero, zero, np.arange(2).reshape(1, 1, 2, 1), np.arange(2).reshape(1, 1, 1, 2))
+            return rule
+        except Exception as exc:  # anything the user's function raises: tell it, with the trace's reason
+            failure = exc
+    site = user_site(failure.__traceback__)
+    reason = getattr(error, "reason", f"{type(error).__name__}: {error}")
+    out = TraceError(
+        f"mask_mod {name!r} cannot be traced ({reason}), and evaluating it {rule.fn.how} fails "
+        f"({type(failure).__name__}: {failure}{f' at {site}' if site else ''}){defined_at(fn)}. Write it "
+        "with operations on the indices (torch.where for an if, & | ~ for and / or / not)"
+    )
+    out.site = getattr(error, "site", None) or site
+    raise out from failure
 
 
 @dataclass(frozen=True, eq=False, repr=False)
