@@ -37,7 +37,7 @@ import numpy as np
 
 from .layout import MAX_ARRAYS, MAX_PARAMS, BlockLayout, TokenRule, check_block, is_torch
 from .mods import mask_rule
-from .trace import NotCompilable, TracedMask, TraceError
+from .trace import NotCompilable, TraceError, untraced_mask
 
 _CACHE_SIZE = 64  # layouts kept per pattern (distinct length pairs)
 
@@ -958,10 +958,13 @@ def from_mask(
 ) -> Pattern:
     """Any token rule ``fn(b, h, q, k) -> bool`` (a FlexAttention ``mask_mod``), as a pattern.
 
-    ``fn`` is traced when it can be (Python operators, captured arrays and the functions of
-    `cusparseattn.mods`; see `cusparseattn.mods.mask_rule`): the kernels then compile its C expression, and
-    new captured values (a window, document ids) never recompile. Otherwise (``np.*`` calls, say) it is
-    called on NumPy index arrays, and the kernels get its partial blocks as bit masks.
+    ``fn`` is traced when it can be (Python operators, captured arrays and tensors, torch's, jax.numpy's and
+    `cusparseattn.mods`' functions; see `cusparseattn.mods.mask_rule`): the kernels then compile its C
+    expression, and new captured values (a window, document ids) never recompile. Otherwise (``np.*`` calls,
+    an unknown function) it is evaluated as FlexAttention does, a rule that reaches torch on torch index
+    tensors and one that reaches JAX on jax arrays, vmapped (`cusparseattn.trace.untraced_mask`; a rule that
+    cannot be evaluated so either is refused here, naming the line), other rules on NumPy index arrays; the
+    kernels then get its partial blocks as bit masks.
 
     The layout evaluates the rule on every token pair, a band of query blocks at a time: O(seq_q * seq_k)
     evaluations but O(band * seq_k) memory, never a seq_q x seq_k mask. ``batch`` and ``heads`` are the
@@ -976,10 +979,10 @@ def from_mask(
     nbatch = 1 if batch is None else _positive("batch", batch)
     nheads = 1 if heads is None else _positive("heads", heads)
     label = name or getattr(fn, "__name__", "mask")
-    rule = _traced_rule(fn, label)
-    if rule is None:
-        rule = fn if isinstance(fn, TokenRule) else TokenRule(label, fn)
-    else:
+    rule = fn if isinstance(fn, TokenRule) else _traced_rule(fn, label)
+    if isinstance(rule, Exception):
+        rule = untraced_mask(fn, label, rule)
+    elif not isinstance(fn, TokenRule):
         for var, arg, given, what in (
             ("b", "batch", batch, "batch element"),
             ("h", "heads", heads, "query head"),
@@ -998,15 +1001,12 @@ def from_mask(
     return Pattern(f"from_mask({label}, block={block})", build, block=bs)
 
 
-def _traced_rule(fn, label: str) -> TokenRule | None:
-    """``fn`` traced into a rule with a C expression, or None when it cannot be traced or compiled."""
-    if isinstance(fn, TokenRule):
-        return None
+def _traced_rule(fn, label: str) -> TokenRule | Exception:
+    """``fn`` traced into a rule with a C expression, or the reason it cannot be traced or compiled."""
     try:
-        rule = mask_rule(fn, name=label)
-    except (TraceError, NotCompilable):
-        return None
-    return rule if isinstance(rule.fn, TracedMask) else None
+        return mask_rule(fn, name=label)
+    except (TraceError, NotCompilable) as err:
+        return err
 
 
 # Token pairs from which a rule with a C expression is classified on the GPU (one kernel per rule structure,

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import collections
 import inspect
+import math
+import sys
 import threading
 import types
 from collections.abc import Callable
@@ -41,7 +43,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from . import tensorlike
 from .layout import TokenRule
+from .tensorlike import LN2, Unsupported
 
 MAX_INT_PARAMS, MAX_FLOAT_PARAMS, MAX_ARRAYS = 8, 8, 4
 
@@ -58,9 +62,11 @@ _RANK = {"bool": 0, "int": 1, "float": 2}  # promotion order of the three kinds 
 _LIBRARIES = {"numpy", "torch", "cupy", "jax", "jaxlib", "ml_dtypes", "builtins", "functools"}
 
 _SUPPORTED = (
-    "+ - * / // % (Python floor semantics), unary -, comparisons, & | ^ ~, abs(), and from "
-    "cusparseattn.mods: where, minimum, maximum, abs, exp, log, tanh, sqrt; numbers; captured arrays indexed "
-    "by expressions"
+    "+ - * / // % (Python floor semantics), unary -, comparisons, & | ^ ~ << >>, abs(); where, "
+    "minimum, maximum, abs, exp, log, tanh, sqrt from cusparseattn.mods, torch or jax.numpy, and torch's and "
+    "jax.numpy's logical_*, bitwise_*, clamp / clip, exp2, log2, sigmoid, rsqrt, sin, cos, floor_divide, "
+    "remainder, fmod, ones_like / zeros_like / full_like, tensor casts and new_ones / new_zeros "
+    "(cusparseattn.tensorlike lists them all); numbers; captured arrays and tensors indexed by expressions"
 )
 
 
@@ -114,6 +120,40 @@ class Expr:
     def __init__(self, graph: Graph, op: str, kind: str, args: tuple, data):
         self.graph, self.op, self.kind, self.args, self.data = graph, op, kind, args, data
 
+    @classmethod
+    def __torch_function__(cls, func, types=(), args=(), kwargs=None):
+        """torch's functions and Tensor's methods on traced values: the graph operation of the same name
+        (`cusparseattn.tensorlike`); torch calls this for any function that meets a traced value."""
+        graph = _graph_of(args, kwargs)
+        name = getattr(func, "__name__", repr(func))
+        method = hasattr(func, "__objclass__") or getattr(func, "__qualname__", "").startswith("Tensor.")
+        handler = (tensorlike.METHODS if method else tensorlike.OPERATIONS).get(name)
+        if handler is None:
+            what = f"Tensor.{name}" if method else f"torch.{name}"
+            raise Unsupported(f"{what} has no traced form; traced functions: {tensorlike.supported()}")
+        graph.frameworks.add("torch")
+        return handler(graph, *args, **(kwargs or {}))
+
+    @property
+    def dtype(self):
+        """The dtype the value computes in (int64, bool, float32), torch's when torch is loaded."""
+        name = {"bool": "bool", "int": "int64", "float": "float32"}[self.kind]
+        torch = sys.modules.get("torch")
+        return getattr(torch, name) if torch is not None else np.dtype(name)
+
+    @property
+    def device(self):
+        """The CPU: a traced value holds no data (``torch.tensor(x, device=q_idx.device)`` works)."""
+        import torch
+
+        return torch.device("cpu")
+
+    shape = ()  # a scalar, as every index is under vmap
+    ndim = 0
+
+    def dim(self) -> int:
+        return 0
+
     def __neg__(self):
         return self.graph.apply("neg", self)
 
@@ -127,17 +167,15 @@ class Expr:
         return self.graph.apply("invert", self)
 
     def __pow__(self, other):
-        raise TraceError(
-            f"** is not supported in a traced function (multiply: x * x); supported: {_SUPPORTED}"
-        )
+        raise TraceError("** is not supported in a traced function (multiply: x * x, or square(x))")
 
     __rpow__ = __pow__
 
     def __bool__(self):
         raise TraceError(
             "a traced value has no truth value: Python's if, and, or, not, chained comparisons (a < b < c) "
-            "and the builtins min()/max() need one. Use where(cond, x, y), &, |, ~ and minimum/maximum from "
-            "cusparseattn.mods"
+            "and the builtins min()/max() need one. Use where(cond, x, y), &, |, ~ and minimum/maximum "
+            "(torch.where, torch.minimum, jnp.where, or cusparseattn.mods')"
         )
 
     def __index__(self):
@@ -150,7 +188,7 @@ class Expr:
     def __float__(self):
         raise TraceError(
             "a traced value was converted to a Python number (math.* functions or float() do that): use "
-            "exp, log, tanh, sqrt from cusparseattn.mods"
+            "torch's, jax.numpy's or cusparseattn.mods' exp, log, tanh, sqrt"
         )
 
     __int__ = __index__
@@ -169,13 +207,31 @@ def _install_operators() -> None:
 
     for name, op in (
         ("add", "add"), ("sub", "sub"), ("mul", "mul"), ("truediv", "truediv"), ("floordiv", "floordiv"),
-        ("mod", "mod"), ("and", "and"), ("or", "or"), ("xor", "xor"),
+        ("mod", "mod"), ("and", "and"), ("or", "or"), ("xor", "xor"), ("lshift", "lshift"),
+        ("rshift", "rshift"),
     ):  # fmt: skip
         setattr(Expr, f"__{name}__", binary(op, False))
         setattr(Expr, f"__r{name}__", binary(op, True))
     # Python reflects comparisons itself (3 < x calls x.__gt__(3)).
     for op in ("lt", "le", "gt", "ge", "eq", "ne"):
         setattr(Expr, f"__{op}__", binary(op, False))
+    # A tensor's methods (x.abs(), x.clamp(lo, hi), x.to(torch.float32), b.new_ones(()), ...).
+    for name in tensorlike.OWN_METHODS:
+        setattr(Expr, name, _method(tensorlike.METHODS[name]))
+
+
+def _method(handler: Callable):
+    return lambda self, *args, **kwargs: handler(self.graph, self, *args, **kwargs)
+
+
+def _graph_of(args, kwargs=None):
+    """The graph of the first traced value among ``args`` and ``kwargs`` (one level into tuples and lists,
+    as an index key holds them); None when there is none."""
+    for a in (*args, *(kwargs or {}).values()):
+        for x in a if type(a) in (tuple, list) else (a,):
+            if isinstance(x, Expr):
+                return x.graph
+    return None
 
 
 _install_operators()
@@ -240,7 +296,7 @@ class CapturedArray:
         graph = next((p.graph for p in parts if isinstance(p, Expr)), None)
         if graph is not None:
             return graph.index(self, key)
-        if len(key) != self.ndim:
+        if len(key) > self.ndim:
             raise IndexError(f"this captured array has shape {self.shape}: give one index per dimension")
         table = self._table_for(key)
         return table[tuple(_clamp_index(i, n) for i, n in zip(key, self.shape, strict=True))]
@@ -274,6 +330,52 @@ class CapturedArray:
 
     def __repr__(self) -> str:
         return f"CapturedArray({self.data.dtype.name}{list(self.shape)})"
+
+
+class _Row:
+    """A captured array indexed by fewer values than it has dimensions, in a trace: a row, as under vmap,
+    that the next index selects from (``table[q][k]``, ``intervals[doc[q]][0]``, ``lo, hi = spans[i]``)."""
+
+    __slots__ = ("graph", "array", "key")
+    __array_ufunc__ = None
+
+    def __init__(self, graph: Graph, array: CapturedArray, key: tuple):
+        self.graph, self.array, self.key = graph, array, key
+
+    def __getitem__(self, key):
+        return self.graph.index(self.array, self.key + (key if isinstance(key, tuple) else (key,)))
+
+    def __len__(self) -> int:
+        return self.array.shape[len(self.key)]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def _as_value(self, *args, **kwargs):
+        raise TraceError(
+            f"a captured array of shape {self.array.shape} was indexed with {len(self.key)} indices and "
+            "used as a value: give one integer index per dimension (table[i, j] or table[i][j])"
+        )
+
+    __bool__ = __index__ = __float__ = __neg__ = __abs__ = __invert__ = _as_value
+    __hash__ = object.__hash__
+
+    @classmethod
+    def __torch_function__(cls, func, types=(), args=(), kwargs=None):
+        next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, _Row))._as_value()
+
+
+def _install_row_operators() -> None:
+    for name in (
+        "add", "sub", "mul", "truediv", "floordiv", "mod", "and", "or", "xor", "lshift", "rshift",
+    ):  # fmt: skip
+        setattr(_Row, f"__{name}__", _Row._as_value)
+        setattr(_Row, f"__r{name}__", _Row._as_value)
+    for op in ("lt", "le", "gt", "ge", "eq", "ne"):
+        setattr(_Row, f"__{op}__", _Row._as_value)
+
+
+_install_row_operators()
 
 
 def _host_array(array) -> np.ndarray:
@@ -312,20 +414,25 @@ def _clamp_index(i, n: int):
 _ARITHMETIC = {"add", "sub", "mul", "floordiv", "mod", "minimum", "maximum"}
 _COMPARISONS = {"lt", "le", "gt", "ge", "eq", "ne"}
 _LOGICAL = {"and", "or", "xor"}
-_MATH = {"exp", "log", "tanh", "sqrt"}
+_MATH = {"exp", "exp2", "log", "log2", "tanh", "sqrt", "sin", "cos"}
+_SHIFTS = {"lshift", "rshift"}
 
 
 class Graph:
     """The expression graph of one trace: interned nodes, parameters and captured arrays.
 
     ``symbolic_numbers`` turns the numbers a function captures into parameters before the call (one each);
-    without it they stay Python numbers and become one parameter per use.
+    without it they stay Python numbers and become one parameter per use. ``shared_numbers`` makes one
+    parameter per distinct value instead, for functions that would need more than the kernels take.
     """
 
-    def __init__(self, symbolic_numbers: bool = True):
-        self.symbolic_numbers = symbolic_numbers
+    def __init__(self, symbolic_numbers: bool = True, shared_numbers: bool = False):
+        self.symbolic_numbers, self.shared_numbers = symbolic_numbers, shared_numbers
+        self._shared: dict[tuple, Expr] = {}
         self._nodes: dict[tuple, Expr] = {}
         self._arrays: dict[int, _ArrayRef] = {}
+        self._tensors: dict[int, tuple] = {}  # id(tensor) -> (tensor, its CapturedArray): met while tracing
+        self.frameworks: set[str] = set()  # "torch" / "jax": what the function reaches or calls
 
     # ---- leaves ----
     def node(self, op: str, kind: str, args: tuple = (), data=None) -> Expr:
@@ -354,11 +461,18 @@ class Graph:
     def param(self, value) -> Expr:
         """A new run-time parameter holding ``value`` (an int or a float)."""
         if isinstance(value, (int, np.integer)):
-            value = int(value)
+            kind, value = "int", int(value)
             if not -(2**63) <= value < 2**63:
                 raise TraceError(f"the integer {value} does not fit in 64 bits")
-            return self.node("param", "int", (), _Param(value))
-        return self.node("param", "float", (), _Param(float(value)))
+        else:
+            kind, value = "float", float(value)
+        if not self.shared_numbers:
+            return self.node("param", kind, (), _Param(value))
+        key = (kind, repr(value))
+        found = self._shared.get(key)
+        if found is None:
+            found = self._shared[key] = self.node("param", kind, (), _Param(value))
+        return found
 
     def operand(self, x) -> Expr:
         """``x`` as a node: traced values pass, Python bools become literals, numbers parameters."""
@@ -372,40 +486,71 @@ class Graph:
             return self.param(x)
         if _is_array(x) and len(x.shape) == 0:
             return self.operand(x.item())
+        if isinstance(x, _Row):
+            x._as_value()
         raise TraceError(
             f"a traced value met a {type(x).__module__}.{type(x).__qualname__}: only numbers, traced values "
             "and captured arrays indexed by them take part in a traced function"
         )
 
-    def index(self, array: CapturedArray, key: tuple) -> Expr:
-        if len(key) != array.ndim:
+    def index(self, array: CapturedArray, key: tuple) -> Expr | _Row:
+        """``array[key]``: a lookup node, or a `_Row` while ``key`` has fewer indices than dimensions.
+        Integers written as indices are part of the structure (literals; negative ones count from the end,
+        as in Python); indices of the other kinds are clamped into bounds."""
+        if len(key) > array.ndim:
             raise TraceError(
                 f"a captured array of shape {array.shape} was indexed with {len(key)} indices: give one "
                 "integer index per dimension (slices are not supported)"
             )
-        indices = []
         for i in key:
-            if i is None or i is Ellipsis or isinstance(i, slice):
+            if i is None or i is Ellipsis or isinstance(i, slice) or _is_array(i) and len(i.shape):
                 raise TraceError(f"captured arrays take integer indices, not {i!r}")
-            node = self.operand(i)
-            if node.kind == "float":
-                raise TraceError("a captured array was indexed with a float: indices must be integers")
-            indices.append(self.cast(node, "int"))
+        if len(key) < array.ndim:
+            return _Row(self, array, tuple(key))
         ref = self._arrays.get(id(array))
         if ref is None:
             ref = self._arrays[id(array)] = _ArrayRef(array, tuple(self.param(n) for n in array.shape))
+        indices = []
+        for i, n in zip(key, ref.shape, strict=True):
+            if self.symbolic_numbers and isinstance(i, int) and not isinstance(i, bool):
+                node = self.literal(i, "int")
+                node = node if i >= 0 else self.node("add", "int", (n, node))
+            else:
+                node = self.operand(i)
+            if node.kind == "float":
+                raise TraceError("a captured array was indexed with a float: indices must be integers")
+            indices.append(self.cast(node, "int"))
         return self.node("index", array.kind, tuple(indices), ref)
 
-    # ---- operations ----
-    def cast(self, x: Expr, kind: str) -> Expr:
-        if x.kind == kind:
-            return x
-        if kind == "bool":
-            return self.node("ne", "bool", (x, self.literal(0, x.kind)))
-        return self.node("cast", kind, (x,))
+    def lookup(self, array, key) -> Expr | _Row:
+        """``array[key]`` for an array that was not captured before the call (a tensor made inside the
+        function, or reached through an object): captured now, once per trace."""
+        found = self._tensors.get(id(array))
+        if found is None:
+            try:
+                found = self._tensors[id(array)] = (array, CapturedArray(array))
+            except _NotATable as err:
+                raise TraceError(f"a traced value indexed an array that holds no numbers ({err})") from None
+        if _root(array) in ("torch", "jax", "jaxlib"):
+            self.frameworks.add(tensorlike.framework_of(array))
+        return self.index(found[1], key if isinstance(key, tuple) else (key,))
 
+    # ---- operations ----
     def apply(self, op: str, *operands) -> Expr:
-        """The node of ``op`` on ``operands``, with Python's promotion rules (bool < int < float)."""
+        """The node of ``op`` on ``operands``, with Python's promotion rules (bool < int < float).
+        Arithmetic on numbers alone (``KERNEL // 2``, ``(H - 1) - K // 2``) is one parameter holding the
+        result: the kernels take few parameters, and a new value is a new trace anyway."""
+        out = self._apply(op, *operands)
+        if out.op in _FOLDED and out.args and all(a.op == "param" or a.op == "lit" for a in out.args):
+            if any(a.op == "param" for a in out.args):
+                value = _fold(
+                    out.op, out.kind, [a.data.value if a.op == "param" else a.data for a in out.args]
+                )
+                if value is not None:
+                    return self.param(value)
+        return out
+
+    def _apply(self, op: str, *operands) -> Expr:
         args = [self.operand(x) for x in operands]
         kinds = [a.kind for a in args]
         if op in _ARITHMETIC:
@@ -420,6 +565,15 @@ class Graph:
             if "float" in kinds:
                 raise TraceError(f"& | ^ ~ take booleans or integers, got a float operand of {op}")
             kind = "bool" if all(k == "bool" for k in kinds) else "int"
+            if op in ("and", "or") and kind == "bool":
+                return self._logical(op, *args)
+            return self.node(op, kind, tuple(self.cast(a, kind) for a in args))
+        if op in _SHIFTS:
+            if "float" in kinds:
+                raise TraceError(f"<< and >> take integers, got a float operand of {op}")
+            return self.node(op, "int", tuple(self.cast(a, "int") for a in args))
+        if op == "fmod":
+            kind = _kind(*kinds, "int")
             return self.node(op, kind, tuple(self.cast(a, kind) for a in args))
         if op in ("neg", "abs"):
             kind = _kind(kinds[0], "int")
@@ -429,8 +583,27 @@ class Graph:
         if op == "where":
             cond, x, y = args
             kind = _kind(x.kind, y.kind)
+            if kind == "bool" and x.op == y.op == "lit" and x.data != y.data:  # where(c, True, False)
+                cond = self.cast(cond, "bool")
+                return cond if x.data else self.node("invert", "bool", (cond,))
             return self.node(op, kind, (self.cast(cond, "bool"), self.cast(x, kind), self.cast(y, kind)))
         raise TraceError(f"unsupported operation {op!r}; supported: {_SUPPORTED}")
+
+    def cast(self, x: Expr, kind: str) -> Expr:
+        if x.kind == kind:
+            return x
+        if kind == "bool":
+            return self.node("ne", "bool", (x, self.literal(0, x.kind)))
+        return self.node("cast", kind, (x,))
+
+    def _logical(self, op: str, a: Expr, b: Expr) -> Expr:
+        """``a && b`` / ``a || b`` of booleans, where a literal operand decides or drops out: FlexAttention's
+        and_masks starts from ``new_ones(())`` (true) and or_masks from false, and print as ours do."""
+        neutral = op == "and"  # true for &&, false for ||
+        for x, y in ((a, b), (b, a)):
+            if x.op == "lit":
+                return y if x.data == neutral else x
+        return self.node(op, "bool", (a, b))
 
     # ---- capturing the function's environment ----
     def capture(self, value, memo: dict):
@@ -449,6 +622,17 @@ class Graph:
             return value
         if _is_number(value):
             return self.param(value) if self.symbolic_numbers else value
+        framework = tensorlike.framework_of(value)
+        if framework is not None:
+            self.frameworks.add(framework)
+        if isinstance(value, types.ModuleType):
+            if value.__name__ in tensorlike.NAMESPACES:
+                return tensorlike.Namespace(value, _graph_of)
+            return value
+        if framework == "jax" and callable(value):
+            dispatched = _jax_function(value)
+            if dispatched is not value:
+                return dispatched
         if _is_array(value):
             if len(value.shape) == 0:
                 return self._capture(value.item(), memo)
@@ -469,10 +653,17 @@ class Graph:
         return value
 
     def _rebuild(self, fn: types.FunctionType, memo: dict) -> types.FunctionType:
-        """A copy of ``fn`` whose closure cells, default arguments and globals hold captured values."""
+        """A copy of ``fn`` whose closure cells, default arguments and globals hold captured values. A
+        library's function keeps its own values, but the functions its closure holds (the mask mods that
+        FlexAttention's and_masks combines) are rebuilt."""
         package = (getattr(fn, "__module__", None) or "").split(".")[0]
         if package in _LIBRARIES:
-            return fn
+            if fn.__closure__ is None or not any(_holds_functions(c) for c in fn.__closure__):
+                return fn
+            cells = tuple(self._cell(c, memo) if _holds_functions(c) else c for c in fn.__closure__)
+            out = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+            out.__kwdefaults__, out.__qualname__ = fn.__kwdefaults__, fn.__qualname__
+            return out
         cells, defaults, kwdefaults = fn.__closure__, fn.__defaults__, fn.__kwdefaults__
         if cells is not None:
             cells = tuple(self._cell(c, memo) for c in cells)
@@ -484,7 +675,7 @@ class Graph:
         if package != __package__:  # user code: its module globals may hold arrays and numbers
             changed = {}
             for name in _global_names(fn.__code__):
-                if name in namespace and not isinstance(namespace[name], types.ModuleType):
+                if name in namespace:
                     new = self.capture(namespace[name], memo)
                     if new is not namespace[name]:
                         changed[name] = new
@@ -506,6 +697,60 @@ class Graph:
             return cell
         new = self.capture(value, memo)
         return cell if new is value else types.CellType(new)
+
+
+_FOLDED = {"add", "sub", "mul", "truediv", "floordiv", "mod", "fmod", "neg", "abs", "minimum", "maximum"}
+
+
+def _fold(op: str, kind: str, values: list):
+    """``op`` on numbers as the node computes it (floor ``//`` and ``%``, C's ``fmod``); None where it has
+    no value (a division by zero), so the node stays."""
+    a, b = (values + [None])[:2]
+    try:
+        if op == "fmod":
+            out = math.fmod(a, b) if kind == "float" else int(math.copysign(abs(a) % abs(b), a))
+        else:
+            out = {
+                "add": lambda: a + b, "sub": lambda: a - b, "mul": lambda: a * b, "truediv": lambda: a / b,
+                "floordiv": lambda: a // b, "mod": lambda: a % b, "neg": lambda: -a, "abs": lambda: abs(a),
+                "minimum": lambda: min(a, b), "maximum": lambda: max(a, b),
+            }[op]()  # fmt: skip
+    except (ZeroDivisionError, OverflowError, ValueError):
+        return None
+    out = float(out) if kind == "float" else int(out)
+    return out if kind == "float" or -(2**63) <= out < 2**63 else None
+
+
+def _holds_functions(cell) -> bool:
+    """Whether a closure cell holds a function, or a tuple or list of callables (and_masks' mask mods)."""
+    try:
+        value = cell.cell_contents
+    except ValueError:
+        return False
+    if type(value) in (tuple, list):
+        return bool(value) and all(callable(v) for v in value)
+    return isinstance(value, types.FunctionType)
+
+
+def _jax_function(fn):
+    """A jax.numpy or jax.nn function imported by name, as the traced rule calls it (`tensorlike`)."""
+    try:
+        table = _jax_table()
+    except ImportError:
+        return fn
+    found = table.get(id(fn))
+    if found is None or found[0] is not fn:
+        return fn
+    return tensorlike.dispatching(fn, found[1], found[1].rsplit(".", 1)[1], _graph_of)
+
+
+_jax_tables: list = []
+
+
+def _jax_table() -> dict:
+    if not _jax_tables:
+        _jax_tables.append(tensorlike.jax_functions())
+    return _jax_tables[0]
 
 
 # ---- the environment a trace depends on ------------------------------------------------------------------
@@ -550,8 +795,10 @@ def _environment(value, held: list, memo: dict):
         return (type(value).__name__, *(_environment(v, held, memo) for v in value))
     if isinstance(value, types.FunctionType):
         package = (getattr(value, "__module__", None) or "").split(".")[0]
-        if package in _LIBRARIES:
-            return ("library", id(value))
+        if package in _LIBRARIES:  # its own values are fixed; the functions it combines are the user's
+            held.append(value)
+            cells = (c for c in value.__closure__ or () if _holds_functions(c))
+            return ("library", id(value), *(_environment(c.cell_contents, held, memo) for c in cells))
         cells = []
         for cell in value.__closure__ or ():
             try:
@@ -659,37 +906,75 @@ def trace(fn: Callable, role: str, name: str | None = None) -> Program:
 
     Numbers the function captures become one parameter each; if that fails because the function needs one
     of them as a concrete value (a Python ``if`` or ``range`` on it), it is traced again with them left
-    concrete (each use then becomes its own parameter). Raises `TraceError` when it cannot be traced.
+    concrete (each use then becomes its own parameter). A program that needs more parameters than the
+    kernels take is traced again with one parameter per distinct value. Raises `TraceError` when it cannot
+    be traced; its message names the construct and the line of the user's code that stopped the trace
+    (``site``), and its ``frameworks`` the libraries the function reaches (``{"torch"}`` for a torch rule).
     """
     name = name or getattr(fn, "__name__", type(fn).__name__)
     check_arity(fn, role, name)
-    error = None
+    error, frameworks = None, set()
     for symbolic_numbers in (True, False):
         graph = Graph(symbolic_numbers)
-        target = graph.capture(fn, {})
-        args = [graph.var(v, kind) for v, kind in ROLES[role]]
         try:
-            value = _output(graph, target(*args), role, name)
+            program = _trace_once(fn, role, name, graph)
         except NotCompilable:
             raise
         except Exception as exc:  # anything the user's code raises on traced values: not traceable
             error = exc
+            frameworks |= graph.frameworks
             continue
-        outputs = {"value": value}
-        if role == "score_mod":
-            outputs["grad"] = Derivative(graph, args[0]).of(value)
-        return Program(outputs, role, name)
-    raise TraceError(
-        f"{role} {name!r} cannot be traced ({type(error).__name__}: {error}). Write it with Python "
-        f"operators, captured arrays and the functions of cusparseattn.mods; supported: {_SUPPORTED}"
-    ) from error
+        if len(program.int_params) > MAX_INT_PARAMS or len(program.float_params) > MAX_FLOAT_PARAMS:
+            return _trace_once(fn, role, name, Graph(symbolic_numbers, shared_numbers=True))
+        return program
+    site = user_site(error.__traceback__)
+    where = f" at {site}" if site else ""
+    out = TraceError(
+        f"{role} {name!r} cannot be traced ({type(error).__name__}: {error}){where}{defined_at(fn)}. "
+        f"Supported: {_SUPPORTED}"
+    )
+    out.site, out.frameworks, out.reason = site, frameworks, f"{type(error).__name__}: {error}{where}"
+    raise out from error
+
+
+def _trace_once(fn: Callable, role: str, name: str, graph: Graph) -> Program:
+    target = graph.capture(fn, {})
+    args = [graph.var(v, kind) for v, kind in ROLES[role]]
+    value = _output(graph, target(*args), role, name)
+    outputs = {"value": value}
+    if role == "score_mod":
+        outputs["grad"] = Derivative(graph, args[0]).of(value)
+    return Program(outputs, role, name)
+
+
+def user_site(tb) -> str | None:
+    """``file:line`` of the innermost frame of a traceback in the user's code (not this package's, nor a
+    library's): where a traced function did what cannot be traced."""
+    site = None
+    while tb is not None:
+        frame = tb.tb_frame
+        root = (frame.f_globals.get("__name__") or "").split(".")[0]
+        if root not in _LIBRARIES and root != __package__:
+            site = f"{frame.f_code.co_filename}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return site
+
+
+def defined_at(fn) -> str:
+    """``; it is defined at file:line`` for a Python function, else nothing."""
+    code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
+    return f"; it is defined at {code.co_filename}:{code.co_firstlineno}" if code is not None else ""
 
 
 def _output(graph: Graph, result, role: str, name: str) -> Expr:
+    if isinstance(result, _Row):
+        result._as_value()
+    if _is_array(result) and len(result.shape) == 0:  # torch.tensor(True), b.new_ones(()) made concrete
+        result = result.item()
     if not isinstance(result, Expr) and not isinstance(result, (bool, np.bool_)) and not _is_number(result):
         raise TraceError(
-            f"{role} {name!r} returned a {type(result).__qualname__}, not a traced value: np.* and torch.* "
-            "functions compute on concrete arrays; use cusparseattn.mods' functions"
+            f"{role} {name!r} returned a {type(result).__qualname__}, not a traced value: np.* functions "
+            "compute on concrete arrays; use torch's, jax.numpy's or cusparseattn.mods' functions"
         )
     node = graph.operand(result)
     if role == "mask_mod":
@@ -751,10 +1036,22 @@ class Derivative:
             return self.where(a[0], da[1], da[2])
         if x.op in ("minimum", "maximum"):
             return self.where(self.compare("le" if x.op == "minimum" else "ge", a[0], a[1]), da[0], da[1])
+        if x.op == "fmod":  # a - trunc(a / b) * b, trunc(a / b) = (a - fmod(a, b)) / b
+            if da[1] is self.zero:
+                return da[0]
+            return self.sub(da[0], self.mul(self.div(self.sub(a[0], x), a[1]), da[1]))
         if x.op == "exp":
             return self.mul(x, da[0])
+        if x.op == "exp2":
+            return self.mul(self.mul(self.lit(LN2), x), da[0])
         if x.op == "log":
             return self.div(da[0], a[0])
+        if x.op == "log2":
+            return self.div(da[0], self.mul(self.lit(LN2), a[0]))
+        if x.op == "sin":
+            return self.mul(self.graph.node("cos", "float", a), da[0])
+        if x.op == "cos":
+            return self.neg(self.mul(self.graph.node("sin", "float", a), da[0]))
         if x.op == "tanh":
             return self.mul(self.sub(self.one, self.mul(x, x)), da[0])
         if x.op == "sqrt":
@@ -883,7 +1180,11 @@ _C_BINARY = {
     "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!=",
 }  # fmt: skip
 _C_LOGICAL = {"and": ("&&", "&"), "or": ("||", "|"), "xor": ("!=", "^")}  # (booleans, integers)
-_C_FLOAT_FUNCTIONS = {"exp": "expf", "log": "logf", "tanh": "tanhf", "sqrt": "sqrtf", "abs": "fabsf"}
+_C_FLOAT_FUNCTIONS = {
+    "exp": "expf", "exp2": "exp2f", "log": "logf", "log2": "log2f", "tanh": "tanhf", "sqrt": "sqrtf",
+    "abs": "fabsf", "sin": "sinf", "cos": "cosf",
+}  # fmt: skip
+_C_SHIFTS = {"lshift": "<<", "rshift": ">>"}
 
 
 class Program:
@@ -1007,6 +1308,10 @@ class Program:
             text = f"csa::floormod({a[0]}, {a[1]})"
         elif op == "mod":
             text = f"({a[0]} - (floorf(({a[0]} / {a[1]})) * {a[1]}))"
+        elif op == "fmod":  # C's own remainder: truncated, with the sign of the dividend
+            text = f"({a[0]} % {a[1]})" if kind == "int" else f"fmodf({a[0]}, {a[1]})"
+        elif op in _C_SHIFTS:
+            text = f"({a[0]} {_C_SHIFTS[op]} {a[1]})"
         elif op in ("minimum", "maximum"):
             fn = op[:3] if kind == "int" else ("fminf" if op == "minimum" else "fmaxf")
             text = f"{fn}({a[0]}, {a[1]})"
@@ -1072,6 +1377,8 @@ _NUMPY = {
     "mod": "remainder", "lt": "less", "le": "less_equal", "gt": "greater", "ge": "greater_equal",
     "eq": "equal", "ne": "not_equal", "neg": "negative", "abs": "abs", "minimum": "minimum",
     "maximum": "maximum", "exp": "exp", "log": "log", "tanh": "tanh", "sqrt": "sqrt", "where": "where",
+    "exp2": "exp2", "log2": "log2", "sin": "sin", "cos": "cos", "fmod": "fmod", "lshift": "left_shift",
+    "rshift": "right_shift",
 }  # fmt: skip
 _NUMPY_LOGICAL = {
     "and": ("logical_and", "bitwise_and"),
@@ -1117,6 +1424,60 @@ class TracedMask:
         if any(_root(x) == "torch" for x in (b, h, q, k)):
             return self.original(b, h, q, k)
         return self.program.evaluate("value", dict(b=b, h=h, q=q, k=k), xp=_array_module(b, h, q, k))
+
+
+class UntracedMask:
+    """A mask_mod that cannot be traced or compiled, as a `TokenRule` function: evaluated as FlexAttention
+    evaluates it. A rule that reaches torch runs on torch index tensors, and one that reaches JAX on jax
+    arrays, vmapped over every axis so that it sees scalars (`cusparseattn.tensorlike.vmapped`): never are
+    NumPy arrays handed to a torch function. Other rules run on the NumPy index arrays, and every rule on
+    torch indices (FlexAttention calling it) is the user's function itself."""
+
+    def __init__(self, original: Callable, framework: str):
+        self.original, self.framework = original, framework
+
+    def __call__(self, b, h, q, k):
+        if self.framework == "numpy" or any(_root(x) == "torch" for x in (b, h, q, k)):
+            return self.original(b, h, q, k)
+        return tensorlike.vmapped(self.original, self.framework, (b, h, q, k))
+
+    @property
+    def how(self) -> str:
+        if self.framework == "numpy":
+            return "on NumPy index arrays"
+        return f"as FlexAttention does (vmapped over {self.framework} index arrays)"
+
+
+def untraced_mask(fn: Callable, name: str, error: Exception) -> TokenRule:
+    """``fn``, which `trace` refused with ``error``, as a rule without a C expression (the kernels get its
+    partial blocks as bit masks), after one evaluation on a 2 x 2 grid: where that fails too, a `TraceError`
+    names both causes and where in the user's code they are, before any layout is built.
+
+    A rule that reaches torch or JAX (a module, array or function of theirs) runs on that framework's
+    arrays; one that reaches neither, on NumPy arrays, and where that fails (tensor methods such as
+    ``.clamp``) on torch's, then JAX's, of those already imported."""
+    graph = Graph(symbolic_numbers=False)
+    graph.capture(fn, {})
+    frameworks = graph.frameworks | getattr(error, "frameworks", set())
+    found = [f for f in ("torch", "jax") if f in frameworks]
+    loaded = [f for f, module in (("torch", "torch"), ("jax", "jax.numpy")) if module in sys.modules]
+    zero = np.zeros((1, 1, 1, 1), np.int64)
+    for framework in found[:1] or ["numpy", *loaded]:
+        rule = TokenRule(name, UntracedMask(fn, framework))
+        try:
+            rule(zero, zero, np.arange(2).reshape(1, 1, 2, 1), np.arange(2).reshape(1, 1, 1, 2))
+            return rule
+        except Exception as exc:  # anything the user's function raises: tell it, with the trace's reason
+            failure = exc
+    site = user_site(failure.__traceback__)
+    reason = getattr(error, "reason", f"{type(error).__name__}: {error}")
+    out = TraceError(
+        f"mask_mod {name!r} cannot be traced ({reason}), and evaluating it {rule.fn.how} fails "
+        f"({type(failure).__name__}: {failure}{f' at {site}' if site else ''}){defined_at(fn)}. Write it "
+        "with operations on the indices (torch.where for an if, & | ~ for and / or / not)"
+    )
+    out.site = getattr(error, "site", None) or site
+    raise out from failure
 
 
 @dataclass(frozen=True, eq=False, repr=False)
