@@ -528,10 +528,10 @@ def test_unknown_jax_functions_are_evaluated_as_flex_does():
 @pytest.mark.parametrize("name", sorted(MASK_MODS))
 def test_mask_mod_on_the_gpu(name):
     from kernel_cases import np_dtype
-    from oracle import random_qkv
     from test_kernels_mods import assert_matches
 
     from cusparseattn import plan
+    from cusparseattn.testing import random_qkv
 
     batch, heads = shape_of(name)
     layout = patterns.from_mask(MASK_MODS[name], block=64, batch=batch, heads=heads).layout(SEQ)
@@ -545,8 +545,9 @@ def test_mask_mod_on_the_gpu(name):
 @pytest.mark.parametrize("name", sorted(SCORE_MODS))
 def test_score_mod_on_the_gpu(name):
     from kernel_cases import np_dtype
-    from oracle import random_qkv
     from test_kernels_mods import assert_matches
+
+    from cusparseattn.testing import random_qkv
 
     rng = np.random.default_rng(100 + sorted(SCORE_MODS).index(name))
     layout = patterns.dense(block=64).layout(SEQ)
