@@ -18,7 +18,7 @@ from kernel_cases import DTYPES, np_dtype, to_device, to_host
 from test_trace import Expressions, make_function
 
 import cusparseattn as ca
-from cusparseattn import build, mods, patterns, plan, reference
+from cusparseattn import build, mods, patterns, plan, reference, user_patterns
 from cusparseattn.testing import check_close, random_qkv
 
 pytestmark = pytest.mark.gpu
@@ -234,10 +234,10 @@ def test_from_mask_classifies_blocks_on_the_gpu_like_numpy(monkeypatch):
     ]
     for fn in fns:
         rule = mods.mask_rule(fn)
-        gpu = patterns._classify_blocks(rule, 1, 1, 8192, 8192, (128, 64))
+        gpu = user_patterns._classify_blocks(rule, 1, 1, 8192, 8192, (128, 64))
         with monkeypatch.context() as m:
-            m.setattr(patterns, "GPU_CLASSIFY_PAIRS", 1 << 62)
-            cpu = patterns._classify_blocks(rule, 1, 1, 8192, 8192, (128, 64))
+            m.setattr(user_patterns, "GPU_CLASSIFY_PAIRS", 1 << 62)
+            cpu = user_patterns._classify_blocks(rule, 1, 1, 8192, 8192, (128, 64))
         for g, c in zip(gpu, cpu, strict=True):
             assert np.array_equal(g, np.broadcast_to(c, g.shape)), rule.c_expr
     start = time.perf_counter()

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cusparseattn import patterns
+from cusparseattn import block_patterns, patterns
 from cusparseattn.layout import BlockLayout, TokenRule, key_band, query_band
 
 BLOCKS = st.sampled_from([16, 32, 64])
@@ -404,7 +404,7 @@ def test_bigbird_random_blocks(nb, nr, attention, seed):
 def test_random_blocks_are_distinct_and_uniform():
     rng = np.random.default_rng(0)
     population = np.array([5, 1, 3, 8] * 2000)
-    picked = patterns._random_blocks(rng, population, 3, 8)
+    picked = block_patterns._random_blocks(rng, population, 3, 8)
     assert np.array_equal(picked.sum(axis=1), np.minimum(3, population))
     assert not (picked & (np.arange(8) >= population[:, None])).any()
     freq = picked[population == 8].mean(axis=0)  # each column with probability 3/8
