@@ -13,8 +13,9 @@ that PyTorch, JAX, CuPy and NumPy arrays go in and come back in their own framew
 
 from . import backends, mods, patterns, reference, torch_backends, trace
 from .api import attention, attention_backward, attention_forward
-from .layout import BlockLayout, TokenRule
+from .layout import BlockLayout
 from .patterns import Pattern
+from .rules import TokenRule
 from .trace import ScoreMod
 
 __version__ = "0.1.0"

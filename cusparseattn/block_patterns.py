@@ -9,8 +9,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from . import pattern as base
-from .layout import BlockLayout, TokenRule
+from .layout import BlockLayout
 from .pattern import Pattern
+from .rules import TokenRule
 
 
 def _block_pattern(name: str, block, make: Callable[[int], np.ndarray]) -> Pattern:

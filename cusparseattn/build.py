@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import env
-from .layout import key_band, narrowable, query_band
+from .rules import key_band, narrowable, query_band
 
 log = logging.getLogger("cusparseattn")
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .layout import TokenRule
+from .rules import TokenRule
 from .trace import (
     MASK_NAMES,
     CapturedArray,

@@ -39,7 +39,8 @@ import math
 import numpy as np
 
 from . import api, arrays
-from .layout import MAX_BLOCK, MIN_BLOCK, BlockLayout, TokenRule
+from .layout import MAX_BLOCK, MIN_BLOCK, BlockLayout
+from .rules import TokenRule
 
 MODES = ("all", "local", "strided", "fixed")
 _BLOCKSIZES = tuple(2**i for i in range(MIN_BLOCK.bit_length() - 1, MAX_BLOCK.bit_length()))

@@ -12,7 +12,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .layout import BlockLayout, TokenRule, check_block, is_torch
+from .layout import BlockLayout, check_block
+from .rules import TokenRule, is_torch
 
 _CACHE_SIZE = 64  # layouts kept per pattern (distinct length pairs)
 

@@ -31,8 +31,8 @@ import numpy as np
 
 from . import pattern as base
 from .block_patterns import bigbird, deepspeed_fixed, fixed, longformer, variable
-from .layout import TokenRule
 from .pattern import Pattern, dense
+from .rules import TokenRule
 from .user_patterns import from_blocks, from_mask, head_mix
 
 __all__ = [

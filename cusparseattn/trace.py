@@ -44,7 +44,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import tensorlike
-from .layout import TokenRule
+from .rules import TokenRule
 from .tensorlike import LN2, Unsupported
 
 MAX_INT_PARAMS, MAX_FLOAT_PARAMS, MAX_ARRAYS = 8, 8, 4

@@ -11,9 +11,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from . import pattern as base
-from .layout import MAX_ARRAYS, MAX_PARAMS, BlockLayout, TokenRule, is_torch
+from .layout import BlockLayout
 from .mods import mask_rule
 from .pattern import Pattern, dense
+from .rules import MAX_ARRAYS, MAX_PARAMS, TokenRule, is_torch
 from .trace import NotCompilable, TraceError, untraced_mask
 
 

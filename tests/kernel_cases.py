@@ -147,7 +147,7 @@ BANDS = ["two_sided", "traced", "heads", "near"]
 
 
 def band_pattern(name: str, window: int):
-    """Rules that are one run of keys a query and of queries a key (layout.key_band, query_band), which the
+    """Rules that are one run of keys a query and of queries a key (rules.key_band, query_band), which the
     kernels mask partial tiles by from each row's two ends: both bounds, a traced mask function, bounds that
     move with the head, runs of 8 keys (shorter than a thread's column pairs are apart)."""
     if name == "two_sided":

@@ -13,7 +13,8 @@ import pytest
 
 import cusparseattn
 from cusparseattn import api, call, patterns, reference
-from cusparseattn.layout import BlockLayout, TokenRule
+from cusparseattn.layout import BlockLayout
+from cusparseattn.rules import TokenRule
 
 torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")

@@ -30,8 +30,8 @@ def test_rule_values_stay_out_of_the_source():
 
 
 def test_a_band_rule_defines_its_bounds():
-    """A rule that is one run of keys a query (layout.key_band) gives its bounds, which the kernels mask a row
-    of a partial tile by, and so does one that is a run of queries a key (layout.query_band), for the
+    """A rule that is one run of keys a query (rules.key_band) gives its bounds, which the kernels mask a row
+    of a partial tile by, and so does one that is a run of queries a key (rules.query_band), for the
     backward's tiles whose rows are keys; any other rule says it has none."""
     two_sided = "q - k < P0 && q - k > -P0"
     source = build.KernelSpec.make("backward_sm90", "bfloat16", 64, "expr", two_sided).source()

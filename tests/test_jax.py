@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from cusparseattn import arrays, backends, patterns, plans, reference
-from cusparseattn.layout import BlockLayout, TokenRule
+from cusparseattn.layout import BlockLayout
+from cusparseattn.rules import TokenRule
 from cusparseattn.testing import backward_refs, check_close, forward_refs, random_qkv
 
 jax = pytest.importorskip("jax")

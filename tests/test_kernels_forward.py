@@ -189,11 +189,11 @@ def test_the_wide_hopper_forward_lets_a_row_max_lag(kind, dtype, monkeypatch):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("rule", BANDS)
 def test_the_hopper_forward_masks_a_band_by_its_bounds(rule, head_dim, wide, monkeypatch):
-    """Rules that are one run of keys a query (layout.key_band: kernel_cases.band_pattern) mask the rows of a
+    """Rules that are one run of keys a query (rules.key_band: kernel_cases.band_pattern) mask the rows of a
     tile that the rule alone decides from their first and last keys (common.cuh's hide_outside_band); key
     tiles of 128 and 192 (two words a row), ragged lengths, GQA."""
     from cusparseattn import cuda
-    from cusparseattn.layout import key_band
+    from cusparseattn.rules import key_band
 
     launched = hopper_path(monkeypatch, True)
     monkeypatch.setattr(cuda, "_wide_pays", lambda *args: wide)

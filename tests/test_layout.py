@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from test_patterns import CC, band_expr, needs_cc, run_c
 
 from cusparseattn import patterns
-from cusparseattn.layout import BlockLayout, TokenRule, key_band, query_band
+from cusparseattn.layout import BlockLayout
+from cusparseattn.rules import TokenRule, key_band, query_band
 
 BLOCKS = st.sampled_from([16, 32, 64])
 
@@ -489,7 +490,7 @@ def test_from_deepspeed():
 
 
 def test_key_band_solves_sums_and_comparisons_for_k():
-    """layout.key_band: conjunctions of comparisons of sums, k in one term (+k or -k in all), as first and
+    """rules.key_band: conjunctions of comparisons of sums, k in one term (+k or -k in all), as first and
     last keys; anything else (or, products, array elements, no k, 2k) has none."""
     assert key_band("k <= q + P0") == (None, "q + P0")
     assert key_band("q + P0 - k >= 0 && q + P0 - k < P1") == ("q + P0 - P1 + 1", "q + P0")
@@ -515,7 +516,7 @@ def test_key_band_solves_sums_and_comparisons_for_k():
 
 
 def test_query_band_solves_them_for_q():
-    """layout.query_band: the same conjunctions solved for q (the queries that see each key), where q is in
+    """rules.query_band: the same conjunctions solved for q (the queries that see each key), where q is in
     one term of every comparison."""
     assert query_band("k <= q + P0") == ("k - P0", None)
     assert query_band("((q >= k) && ((q - k) < P0))") == ("k", "k + P0 - 1")

@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cusparseattn import block_patterns, patterns
-from cusparseattn.layout import BlockLayout, TokenRule, key_band, query_band
+from cusparseattn.layout import BlockLayout
+from cusparseattn.rules import TokenRule, key_band, query_band
 
 BLOCKS = st.sampled_from([16, 32, 64])
 LENGTHS = st.integers(1, 300)
@@ -666,7 +667,7 @@ def test_c_expr_matches_rule(pat, sq, sk, tmp_path):
 
 
 def band_expr(band, var: str = "k") -> str:
-    """A band of keys (layout.key_band) or of queries (`var` "q": layout.query_band) as the C expression it
+    """A band of keys (rules.key_band) or of queries (`var` "q": rules.query_band) as the C expression it
     stands for."""
     first, last = band
     return " && ".join(

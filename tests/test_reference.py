@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cusparseattn import reference
-from cusparseattn.layout import BlockLayout, TokenRule
+from cusparseattn.layout import BlockLayout
+from cusparseattn.rules import TokenRule
 from cusparseattn.testing import backward_refs, check_close, forward_refs, random_qkv
 
 RULES = {

@@ -14,7 +14,8 @@ from kernel_cases import to_device, to_host
 
 import cusparseattn as ca
 from cusparseattn import arrays, backends, mods, patterns, reference
-from cusparseattn.layout import BlockLayout, TokenRule
+from cusparseattn.layout import BlockLayout
+from cusparseattn.rules import TokenRule
 from cusparseattn.testing import check_close, random_qkv
 
 pytestmark = pytest.mark.gpu

@@ -14,7 +14,8 @@ from kernel_cases import np_dtype, to_device, to_host
 
 import cusparseattn
 from cusparseattn import backends, patterns, plans, reference
-from cusparseattn.layout import BlockLayout, TokenRule
+from cusparseattn.layout import BlockLayout
+from cusparseattn.rules import TokenRule
 from cusparseattn.testing import backward_refs, check_close, forward_refs, random_qkv
 
 torch = pytest.importorskip("torch")

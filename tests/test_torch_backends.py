@@ -12,7 +12,8 @@ from kernel_cases import np_dtype, to_device, to_host
 import cusparseattn
 from cusparseattn import backends, call, mods, patterns, reference
 from cusparseattn.backends import current_backend, select, use_backends, why_not
-from cusparseattn.layout import BlockLayout, TokenRule
+from cusparseattn.layout import BlockLayout
+from cusparseattn.rules import TokenRule
 from cusparseattn.testing import backward_refs, check_close, forward_refs, random_qkv
 from cusparseattn.torch_backends import FlexBackend, SdpaBackend
 
