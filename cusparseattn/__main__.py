@@ -139,7 +139,7 @@ def _gpu_lines() -> list[str]:
         return [f"GPU: none usable ({'; '.join(reasons)})"]
     import cupy
 
-    from . import build, devices, env
+    from . import devices, env, tuning
 
     runtime = cupy.cuda.runtime
     lines = [
@@ -159,7 +159,7 @@ def _gpu_lines() -> list[str]:
             continue
         backward = "fused" if env.fused_backward() else "dQ and dK/dV passes (CUSPARSEATTN_FUSED_BACKWARD=0)"
         lines.append(
-            f"  kernels: Hopper (TMA, wgmma) for head dims {build.HOPPER_HEAD_DIMS}, else portable; "
+            f"  kernels: Hopper (TMA, wgmma) for head dims {tuning.HOPPER_HEAD_DIMS}, else portable; "
             f"backward: {backward}"
         )
     return lines

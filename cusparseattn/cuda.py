@@ -13,7 +13,7 @@ import functools
 
 import numpy as np
 
-from . import build, devices, env, plan, schedule
+from . import build, devices, env, plan, schedule, tuning
 from .arrays import contiguous_strides
 from .gpu_tables import device_tables, per_object, score_tables, set_rule
 from .launches import ARRAYS, Bound, bind_device, cupy_stream, make_pass, pool_scratch, run_launches, scratch
@@ -24,7 +24,7 @@ def _tiled_tables(
     kernel: str, layout: BlockLayout, head_dim: int, device: int, score, tiles=None, wide=False
 ):
     bits = plan.rule_mode(layout) == "bits"
-    tiles = tiles or build.tile_config(
+    tiles = tiles or tuning.tile_config(
         kernel, head_dim, devices.max_shared(device), score is not None, bits, wide
     )
     return device_tables(layout, tiles[0], tiles[1], device), tiles
@@ -40,10 +40,10 @@ _FORWARD_GROUP, _FUSED_BACKWARD_GROUP = 2, 4
 def _wide_pays(
     kernel: str, layout: BlockLayout, head_dim: int, batch: int, heads: int, device: int, score=None
 ) -> bool:
-    """Whether the persistent `kernel`'s wide tiles (build.WIDE_TILES), where `build.tile_config` allows them
-    (not with a score mod or bit masks), would finish this call sooner than its default ones: the makespans
-    of their schedules (schedule.makespan, as `Forward` deals them), a wide tile weighted by
-    build.WIDE_TILE_COST and a partial one by build.WIDE_PARTIAL_COST more. Tiles that hold too many of the
+    """Whether the persistent `kernel`'s wide tiles (tuning.WIDE_TILES), where `tuning.tile_config` allows
+    them (not with a score mod or bit masks), would finish this call sooner than its default ones: the
+    makespans of their schedules (schedule.makespan, as `Forward` deals them), a wide tile weighted by
+    tuning.WIDE_TILE_COST and a partial one by tuning.WIDE_PARTIAL_COST more. Tiles that hold too many of the
     layout's cells never pay."""
     key = (kernel, head_dim, batch, heads, score is not None)
     return per_object(_wide, layout, (*key, device), lambda: _wide_schedule_pays(layout, *key, device))
@@ -57,17 +57,17 @@ def _wide_schedule_pays(
     layout: BlockLayout, kernel: str, head_dim: int, batch: int, heads: int, score: bool, device: int
 ) -> bool:
     choice = (kernel, head_dim, devices.max_shared(device), score, plan.rule_mode(layout) == "bits")
-    narrow, wide = build.tile_config(*choice), build.tile_config(*choice, wide=True)
+    narrow, wide = tuning.tile_config(*choice), tuning.tile_config(*choice, wide=True)
     if wide == narrow or plan.tile_cells(*wide[:2], layout.block_size) > plan.MAX_CELLS:
         return False
-    sms, padded = devices.sm_count(device), build.pad_head_dim(head_dim)
+    sms, padded = devices.sm_count(device), tuning.pad_head_dim(head_dim)
 
     def span(tiles, partial_cost=0) -> float:
         counts = plan.visits(layout, *tiles[:2], partial_cost)
         ctas = min(batch * heads * counts.shape[2], sms)
         return schedule.makespan(counts, batch, heads, ctas, _FORWARD_GROUP * sms, ctas)
 
-    return build.WIDE_TILE_COST[padded] * span(wide, build.WIDE_PARTIAL_COST[padded]) < span(narrow)
+    return tuning.WIDE_TILE_COST[padded] * span(wide, tuning.WIDE_PARTIAL_COST[padded]) < span(narrow)
 
 
 # The arrays a Hopper backward pass copies by TMA, in the order of its descriptor arguments.
@@ -150,7 +150,12 @@ class Forward:
                 work = tables.work(batch, heads_q, ctas, _FORWARD_GROUP * devices.sm_count(device), ctas)
                 grid = (ctas, 1, 1)
                 # out is stored in a consumer's 64 rows (forward_sm90.cu)
-                rows = {"q": build.forward_q_rows(q.shape[3], tiles), "k": tiles[1], "v": tiles[1], "out": 64}
+                rows = {
+                    "q": tuning.forward_q_rows(q.shape[3], tiles),
+                    "k": tiles[1],
+                    "v": tiles[1],
+                    "out": 64,
+                }
                 splits = work["split_ptr"].size - 1
             else:
                 grid = (tables.plan.tiles_q, heads_q, batch)
@@ -167,7 +172,7 @@ class Forward:
                 make_pass(kernel, grid, tables, score, scale, tiles, work, q=q, k=k).bind(arrays, rows)
             ]
             if splits:  # a warp for each query row of each split row (forward_combine.cu)
-                edges = build.edge_tiles(tiles)
+                edges = tuning.edge_tiles(tiles)
                 grid = (splits, edges[0] // edges[2], 1)
                 combine = make_pass("forward_combine", grid, tables, None, scale, edges, work, q=q, k=k)
                 self.launches.append(combine.bind(arrays, {}))
@@ -218,7 +223,7 @@ def fused_backward(head_dim: int, device: int) -> bool:
     rounds dQ."""
     return (
         env.fused_backward()
-        and head_dim in build.HOPPER_HEAD_DIMS
+        and head_dim in tuning.HOPPER_HEAD_DIMS
         and not devices.hopper_device_reasons(device)
     )
 
@@ -323,7 +328,7 @@ class Backward:
         rows = _tma_rows(tiles, _BACKWARD_MAPS) | dict.fromkeys(("dk", "dv"), 64)
 
         def plain(kernel: str, grid) -> tuple:
-            edges = build.edge_tiles(tiles)
+            edges = tuning.edge_tiles(tiles)
             return make_pass(kernel, grid, tables, None, scale, edges, q=q, k=k, unordered=unordered), {}
 
         fused = make_pass(

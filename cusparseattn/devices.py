@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 
-from . import build, env, tma
+from . import build, env, tma, tuning
 
 MIN_COMPUTE_CAPABILITY = 80  # mma.sync with bf16, cp.async, ldmatrix
 
@@ -116,8 +116,8 @@ def hopper_reasons(q, k, v, dout=None, out=None) -> list[str]:
     portable ones."""
     if reasons := hopper_device_reasons(q.device[1]):
         return reasons
-    if q.shape[3] not in build.HOPPER_HEAD_DIMS:
-        return [f"the Hopper kernels take head dims {build.HOPPER_HEAD_DIMS}, got {q.shape[3]}"]
+    if q.shape[3] not in tuning.HOPPER_HEAD_DIMS:
+        return [f"the Hopper kernels take head dims {tuning.HOPPER_HEAD_DIMS}, got {q.shape[3]}"]
     named = (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out))
     return [reason for name, t in named if t is not None for reason in tma_reasons(name, t)]
 

@@ -10,7 +10,7 @@ import functools
 import struct
 import threading
 
-from . import build, tma
+from . import build, tma, tuning
 from .arrays import CupyTensor
 from .gpu_tables import SCORE, DeviceTables
 
@@ -84,13 +84,13 @@ class Pass:
     """One kernel's launches for one call's sizes: the kernel, its geometry and the parameters that do not
     change from call to call (tables, sizes, scale, schedule) packed ahead. `work`: a persistent pass's
     schedule on the device, by Params field (`DeviceTables.work`, `DeviceTables.columns`). `bind` makes its
-    launches over arrays of given strides. A `build.PLAIN` kernel is built without the layout's rule."""
+    launches over arrays of given strides. A `tuning.PLAIN` kernel is built without the layout's rule."""
 
     def __init__(
         self, kernel: str, grid, tables: DeviceTables, score, scale: float, tiles, work, unordered, q, k
     ):
         self.kernel, self.grid, self.tiles = kernel, grid, tiles
-        rule = ("none", None) if kernel in build.PLAIN else (tables.plan.rule_mode, tables.rule_expr)
+        rule = ("none", None) if kernel in tuning.PLAIN else (tables.plan.rule_mode, tables.rule_expr)
         spec_args = (kernel, q.dtype, q.shape[3], tiles, *rule, score and score.spec)
         # The Hopper forward's build for split rows where its deal has some (the others keep their code).
         split_rows = kernel == "forward_sm90" and work["split_ptr"].size > 1

@@ -400,7 +400,7 @@ struct OnlineSoftmax {
     // Turns raw scores into probabilities in place; alpha[r] is the factor that brings row r's earlier
     // output to the new max. The row's max is that of its raw scores, scaled once (the kernels take a positive
     // scale: cuda.reasons), or with `scaled_max` the max of scores scaled a pair at a time: TILE_N / 4 more
-    // FMULs, which suit the Hopper forward's narrow tiles at head dim 64 (build.forward_scaled_max).
+    // FMULs, which suit the Hopper forward's narrow tiles at head dim 64 (tuning.forward_scaled_max).
     // With `lagging`, a row keeps its max until a tile's passes it by more than 2^MAX_LAG (FlashAttention-4's
     // rescale threshold): alpha is then exactly 1, so that most steps rescale nothing, and the probabilities
     // reach 2^MAX_LAG, which float32 sums and bf16 / fp16 hold to the same relative precision.

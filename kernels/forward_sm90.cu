@@ -6,7 +6,7 @@
 // blockIdx.x + gridDim.x, ... up to a -1, each item's row read a step ahead (Walk). A producer warpgroup
 // and one consumer warpgroup for each 64 query rows: two, or three at head dim 64, whose softmax takes as
 // long as its products; key tiles of 128, or 192 at head dim 128, fewer steps for the same products. Those
-// wide tiles (build.WIDE_TILES) run where the host finds that they pay (cuda._wide_pays). The producer
+// wide tiles (tuning.WIDE_TILES) run where the host finds that they pay (cuda._wide_pays). The producer
 // gives most of its registers to the others; one of its threads copies each item's Q tile into a ring of
 // Q_BUFFERS, then the K and V tiles that the layout's row lists into two rings (hopper.cuh's Ring), each K
 // tile before the V tile of the entry before it, as the consumers wait for them; the
@@ -30,13 +30,13 @@ static_assert(TILE_M == CONSUMERS * 64, "a consumer warpgroup for each 64 query 
 static_assert(TILE_N % 16 == 0 && TILE_N <= 256, "a key tile is one wgmma N");
 
 constexpr unsigned Q_BYTES = TILE_M * HEAD_DIM * sizeof(elem_t);
-// STAGE_OUT (build.forward_stage_out; two Q buffers): a consumer writes its rows of out into its rows of the
+// STAGE_OUT (tuning.forward_stage_out; two Q buffers): a consumer writes its rows of out into its rows of the
 // row's Q buffer, which a TMA store copies out while the next row runs, and the buffer goes back once the
 // store has read it. Written from registers, each store of 4-byte pieces of 8 rows passes through L1 eight
 // times while the consumers' row ends hold the tensor cores idle. With one Q buffer the next row's Q waits in
 // it: the rows are written from registers.
 static_assert(!STAGE_OUT || Q_BUFFERS > 1, "out is staged in one Q buffer while the next row's Q is in the other");
-// Q_ROWS (build.forward_q_rows, also the q map's box): the rows of each Q copy, laid out as [HEAD_DIM / 64
+// Q_ROWS (tuning.forward_q_rows, also the q map's box): the rows of each Q copy, laid out as [HEAD_DIM / 64
 // panels][Q_ROWS rows][64]; a consumer's 64 where out is staged, so that its rows are the 64-row tile that
 // o_map's stores read.
 static_assert((Q_ROWS == 64 || Q_ROWS == TILE_M) && (!STAGE_OUT || Q_ROWS == 64),
@@ -44,9 +44,9 @@ static_assert((Q_ROWS == 64 || Q_ROWS == TILE_M) && (!STAGE_OUT || Q_ROWS == 64)
 // Named barriers: 1 to CONSUMERS are the turns (hopper.cuh); OUT_BAR + consumer holds a consumer's threads
 // until its rows of out are in shared memory.
 constexpr int OUT_BAR = CONSUMERS + 1;
-// Q_BUFFERS (build.forward_q_buffers): two, so that the next item's Q is copied while this one runs, which
+// Q_BUFFERS (tuning.forward_q_buffers): two, so that the next item's Q is copied while this one runs, which
 // short rows (a narrow window) notice; one beside key tiles of 192 (head dim 128), whose two K and two V
-// buffers fill the rest. K takes STAGES buffers, V V_STAGES (build.forward_v_stages: three with key tiles of
+// buffers fill the rest. K takes STAGES buffers, V V_STAGES (tuning.forward_v_stages: three with key tiles of
 // 128 at head dim 128, as V is held a step longer than K).
 // setmaxnreg moves registers within what the CTA was launched with, 65536 / THREADS a thread in whole 8s (168
 // beside two consumers, 128 beside three): a claim beyond what the producer frees never returns. The producer
@@ -200,7 +200,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             mask.hide(p, sc, b, h, row.q0, k0, rows, lane);
             sm.step<SCALED_MAX, LAGGING_MAX>(sc, softmax_scale(p), alpha);
         };
-        // Step i >= 1 over entry e. With SPLIT_STEPS (build.forward_split_steps), in two copies (each call
+        // Step i >= 1 over entry e. With SPLIT_STEPS (tuning.forward_split_steps), in two copies (each call
         // inlined with `masked` a constant): a full tile's has no mask, so no branch parts the wait for S from
         // the softmax, and ptxas waits for O += P V in the middle of the softmax rather than at the top of the
         // block after the mask's branch. The entry is then read a step ahead, so that the copy is chosen before
@@ -214,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             softmax_of(i, e, true, masked);
             wgmma_wait<0>();
             finish_output_of(uses + i - 1);
-            // LAGGING_MAX (build.forward_lagging_max): where no row of the warp moved its max, alpha is 1.
+            // LAGGING_MAX (tuning.forward_lagging_max): where no row of the warp moved its max, alpha is 1.
             if (!LAGGING_MAX || __any_sync(~0u, alpha[0] != 1.f || alpha[1] != 1.f)) OnlineSoftmax::rescale(o, alpha);
             to_a_fragments<TILE_N>(sc, pa);
         };

@@ -207,7 +207,7 @@ __device__ __forceinline__ unsigned long long smem_desc(const void* p, unsigned 
 __device__ __forceinline__ unsigned long long desc_plus(unsigned long long desc, int elements) {
     const unsigned step = elements * static_cast<unsigned>(sizeof(elem_t)) / 16;
 #if DESC_ADD64
-    return desc + step;  // build.descriptor_add64: one 64-bit add, issued as one uniform add (UIADD3.64)
+    return desc + step;  // tuning.descriptor_add64: one 64-bit add, issued as one uniform add (UIADD3.64)
 #else
     return desc >> 32 << 32 | (static_cast<unsigned>(desc) + step);
 #endif

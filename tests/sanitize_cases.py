@@ -27,7 +27,7 @@ def random_layout(seq: int) -> BlockLayout:
 CASES = [
     ("dense fp16 d64", torch.float16, 64, 2, 256, patterns.dense(block=64)),
     ("causal bf16 d128 ragged", torch.bfloat16, 128, 1, 333, patterns.causal(block=128)),
-    # "wide" (build.WIDE_TILES): three consumers at head dim 64, query tiles of 192 rows, whose warps mask
+    # "wide" (tuning.WIDE_TILES): three consumers at head dim 64, query tiles of 192 rows, whose warps mask
     # their own rows where a tile crosses the layout's blocks; key tiles of 192 at 128, one Q buffer.
     ("dense bf16 d64 wide", torch.bfloat16, 64, 2, 384, patterns.dense(block=128)),
     ("causal fp16 d64 wide ragged", torch.float16, 64, 1, 400, patterns.causal(block=128)),

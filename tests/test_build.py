@@ -9,9 +9,9 @@ import shutil
 import numpy as np
 import pytest
 
-from cusparseattn import build
+from cusparseattn import build, compile_check, tuning
 
-PORTABLE = [kernel for kernel in build.KERNELS if kernel not in build.ARCH and kernel not in build.PLAIN]
+PORTABLE = [kernel for kernel in tuning.KERNELS if kernel not in tuning.ARCH and kernel not in tuning.PLAIN]
 
 
 def test_spec_name_lists_every_specialisation_argument():
@@ -66,65 +66,67 @@ def test_params_struct_matches_the_header():
 
 
 def test_score_mod_specialises_the_source_not_its_values():
-    spec = build.KernelSpec.make("backward_dq", "bfloat16", 64, score=build.SAMPLE_SCORE)
+    spec = build.KernelSpec.make("backward_dq", "bfloat16", 64, score=compile_check.SAMPLE_SCORE)
     source = spec.source()
-    assert f"#define CSA_SCORE(s, b, h, q, k) ({build.SAMPLE_SCORE[0]})" in source
-    assert f"#define CSA_SCORE_GRAD(s, b, h, q, k) ({build.SAMPLE_SCORE[1]})" in source
+    assert f"#define CSA_SCORE(s, b, h, q, k) ({compile_check.SAMPLE_SCORE[0]})" in source
+    assert f"#define CSA_SCORE_GRAD(s, b, h, q, k) ({compile_check.SAMPLE_SCORE[1]})" in source
     assert "#define SCORE_MOD 1" in source and "#define SF0 (p.score_fp[0])" in source
     plain = build.KernelSpec.make("backward_dq", "bfloat16", 64)
     assert "#define SCORE_MOD 0" in plain.source() and "CSA_SCORE(" not in plain.prelude()
     assert "_score" in spec.name and spec.name != plain.name
-    assert spec.tiles[1] <= build.MAX_TILES["backward_dq"]["score"][1] < plain.tiles[1]
+    assert spec.tiles[1] <= tuning.MAX_TILES["backward_dq"]["score"][1] < plain.tiles[1]
 
 
 def test_bit_masks_and_score_mods_take_the_hopper_dq_pass_to_smaller_key_tiles():
     plain = build.KernelSpec.make("backward_dq_sm90", "bfloat16", 64, "expr", "k <= q")
     bits = build.KernelSpec.make("backward_dq_sm90", "bfloat16", 64, "bits")
-    assert bits.tiles[1] <= build.MAX_TILES["backward_dq_sm90"]["bits"][1] < plain.tiles[1]
+    assert bits.tiles[1] <= tuning.MAX_TILES["backward_dq_sm90"]["bits"][1] < plain.tiles[1]
     score = build.KernelSpec.make(
-        "backward_dq_sm90", "bfloat16", 64, "expr", "k <= q", score=build.SAMPLE_SCORE
+        "backward_dq_sm90", "bfloat16", 64, "expr", "k <= q", score=compile_check.SAMPLE_SCORE
     )
-    assert score.tiles[1] <= build.MAX_TILES["backward_dq_sm90"]["score"][1] < plain.tiles[1]
+    assert score.tiles[1] <= tuning.MAX_TILES["backward_dq_sm90"]["score"][1] < plain.tiles[1]
     portable = build.KernelSpec.make("backward_dq", "bfloat16", 64, "bits")
-    assert portable.tiles == build.tile_config("backward_dq", 64)  # the portable pass has room for them
+    assert portable.tiles == tuning.tile_config("backward_dq", 64)  # the portable pass has room for them
 
 
 def test_the_fused_backward_visits_64_queries_at_head_dim_64_with_a_score_mod():
     plain = build.KernelSpec.make("backward_sm90", "bfloat16", 64, "expr", "k <= q")
-    score = build.KernelSpec.make("backward_sm90", "bfloat16", 64, "expr", "k <= q", score=build.SAMPLE_SCORE)
+    score = build.KernelSpec.make(
+        "backward_sm90", "bfloat16", 64, "expr", "k <= q", score=compile_check.SAMPLE_SCORE
+    )
     assert plain.tiles == (128, 128, 12) and score.tiles == (64, 128, 12)
     assert "#define KV_BUFFERS 1" in plain.prelude() and "#define KV_BUFFERS 2" in score.prelude()
-    at_128 = build.KernelSpec.make("backward_sm90", "bfloat16", 128, score=build.SAMPLE_SCORE)
+    at_128 = build.KernelSpec.make("backward_sm90", "bfloat16", 128, score=compile_check.SAMPLE_SCORE)
     assert at_128.tiles == (64, 128, 12)
 
 
 @pytest.mark.parametrize(("head_dim", "wide"), [(64, (192, 128, 16)), (128, (128, 192, 12))])
 def test_the_hopper_forward_may_take_wide_tiles(head_dim, wide):
     """Three consumers (192 query rows) at head dim 64, 192 keys at 128, where cuda._wide_pays asks."""
-    assert build.WIDE_TILES["forward_sm90"][head_dim] == wide
-    assert build.tile_config("forward_sm90", head_dim, wide=True) == wide
-    assert build.tile_config("forward_sm90", head_dim) == (128, 128, 12)  # unless cuda._wide_pays asks
+    assert tuning.WIDE_TILES["forward_sm90"][head_dim] == wide
+    assert tuning.tile_config("forward_sm90", head_dim, wide=True) == wide
+    assert tuning.tile_config("forward_sm90", head_dim) == (128, 128, 12)  # unless cuda._wide_pays asks
     # Not with a score mod (it would spill) nor with a layout's bit masks.
-    assert build.tile_config("forward_sm90", head_dim, score=True, wide=True) == (128, 128, 12)
-    assert build.tile_config("forward_sm90", head_dim, bits=True, wide=True) == (128, 128, 12)
-    assert build.tile_config("forward", head_dim, wide=True) == build.tile_config("forward", head_dim)
-    names = [s.name for s in build.all_specs()]
+    assert tuning.tile_config("forward_sm90", head_dim, score=True, wide=True) == (128, 128, 12)
+    assert tuning.tile_config("forward_sm90", head_dim, bits=True, wide=True) == (128, 128, 12)
+    assert tuning.tile_config("forward", head_dim, wide=True) == tuning.tile_config("forward", head_dim)
+    names = [s.name for s in compile_check.all_specs()]
     shape = f"q{wide[0]}k{wide[1]}w{wide[2]}"
     assert any(n.startswith(f"forward_sm90_f16_d{head_dim}_{shape}_none") for n in names)
     assert any(n.startswith(f"forward_sm90_bf16_d{head_dim}_{shape}_expr") for n in names)
     # The next item's Q in a second buffer, but beside key tiles of 192 (head dim 128), whose two K and two V
     # buffers leave room for one; a third V buffer with key tiles of 128 at 128. Out staged in the Q buffer
     # where there are two, but on the 128-row tiles at head dim 64.
-    narrow = build.tile_config("forward_sm90", head_dim)
+    narrow = tuning.tile_config("forward_sm90", head_dim)
     for tiles in (wide, narrow):
         q_buffers = 1 if head_dim == 128 and tiles[1] == 192 else 2
         v_stages = 3 if head_dim == 128 and tiles[1] == 128 else 2
         staged = q_buffers == 2 and (head_dim == 128 or tiles[0] == 192)
         q_rows = 64 if staged else tiles[0]  # a Q copy: a consumer's rows where out is staged from them
-        assert build.forward_q_buffers(head_dim, tiles) == q_buffers
-        assert build.forward_v_stages(head_dim, tiles) == v_stages
-        assert build.forward_stage_out(head_dim, tiles) == staged
-        assert build.forward_q_rows(head_dim, tiles) == q_rows
+        assert tuning.forward_q_buffers(head_dim, tiles) == q_buffers
+        assert tuning.forward_v_stages(head_dim, tiles) == v_stages
+        assert tuning.forward_stage_out(head_dim, tiles) == staged
+        assert tuning.forward_q_rows(head_dim, tiles) == q_rows
         prelude = build.KernelSpec.make("forward_sm90", "bfloat16", head_dim, tiles=tiles).prelude()
         defines = (f"Q_BUFFERS {q_buffers}", "STAGES 2", f"V_STAGES {v_stages}", f"STAGE_OUT {int(staged)}")
         defines += (f"Q_ROWS {q_rows}",)
@@ -139,24 +141,24 @@ def test_the_hopper_forward_may_take_wide_tiles(head_dim, wide):
         assert f"#define SCALED_MAX {int(head_dim == 64 and tiles == narrow)}" in prelude
         # A row's max lags its scores by up to 2^8 on the 192-row tiles alone.
         assert f"#define LAGGING_MAX {int(three_consumers)}" in prelude
-        assert build.shared_bytes("forward_sm90", head_dim, tiles) <= 227 * 1024  # an H100 holds it
+        assert tuning.shared_bytes("forward_sm90", head_dim, tiles) <= 227 * 1024  # an H100 holds it
 
 
 def test_the_fused_backward_and_the_wide_forward_step_their_descriptors_with_64_bit_adds():
-    """build.descriptor_add64: the fused backward steps its wgmma descriptors with one 64-bit add (x1.00 to
+    """tuning.descriptor_add64: the fused backward steps its wgmma descriptors with one 64-bit add (x1.00 to
     x1.02), as do the forward's 192-row tiles; the forward's default tiles (so stepped, x0.93 to x0.95 on
     the 128-row ones at head dim 64) and the two backward passes add to the low word and join the high word
     back in."""
-    for kernel in build.ARCH:
-        for head_dim in build.HOPPER_HEAD_DIMS:
+    for kernel in tuning.ARCH:
+        for head_dim in tuning.HOPPER_HEAD_DIMS:
             prelude = build.KernelSpec.make(kernel, "bfloat16", head_dim).prelude()
             assert f"#define DESC_ADD64 {int(kernel == 'backward_sm90')}" in prelude
 
 
 def test_only_the_hopper_forward_sleeps_between_tries_of_a_barrier_wait():
-    """build.barrier_sleeps: the forward's threads sleep until a barrier moves (its producer had spun 211
+    """tuning.barrier_sleeps: the forward's threads sleep until a barrier moves (its producer had spun 211
     tries a key tile); the backward passes, whose waits asleep ran x0.97 to x0.99, try again at once."""
-    for kernel in build.ARCH:
+    for kernel in tuning.ARCH:
         prelude = build.KernelSpec.make(kernel, "bfloat16", 128).prelude()
         assert f"#define BARRIER_SLEEPS {int(kernel == 'forward_sm90')}" in prelude
     assert "BARRIER_SLEEPS" not in build.KernelSpec.make("forward", "bfloat16", 128).prelude()
@@ -181,40 +183,41 @@ def test_bad_specs_are_refused(kwargs, match):
 @pytest.mark.parametrize("kernel", PORTABLE)
 def test_tile_table_covers_every_supported_head_dim(kernel):
     for head_dim in range(8, 257, 8):
-        tm, tn, nw = build.tile_config(kernel, head_dim)
+        tm, tn, nw = tuning.tile_config(kernel, head_dim)
         # One warp per 16 query rows, or per 16 keys in the dK/dV pass.
         assert (tn if kernel == "backward_dkdv" else tm) == 16 * nw and tm % 16 == 0 and tn % 16 == 0
     with pytest.raises(ValueError, match="head dim"):
-        build.tile_config(kernel, 264)
+        tuning.tile_config(kernel, 264)
 
 
 @pytest.mark.parametrize("kernel", PORTABLE)
 @pytest.mark.parametrize("max_shared", [227 * 1024, 163 * 1024, 99 * 1024])  # H100, A100, sm_86/89
 def test_every_device_gets_tiles_that_fit(kernel, max_shared):
     for head_dim in range(8, 257, 8):
-        tiles = build.tile_config(kernel, head_dim, max_shared)
-        assert build.shared_bytes(kernel, head_dim, tiles) <= max_shared
+        tiles = tuning.tile_config(kernel, head_dim, max_shared)
+        assert tuning.shared_bytes(kernel, head_dim, tiles) <= max_shared
     with pytest.raises(ValueError, match="shared memory"):
-        build.tile_config(kernel, 128, 16 * 1024)
+        tuning.tile_config(kernel, 128, 16 * 1024)
 
 
 def test_shared_memory_fits_a_hopper_sm():
-    for spec in filter(lambda s: isinstance(s, build.KernelSpec), build.all_specs()):
+    for spec in filter(lambda s: isinstance(s, build.KernelSpec), compile_check.all_specs()):
         assert spec.shared_bytes <= 227 * 1024, spec.name
         assert f"#define SHARED_BYTES {spec.shared_bytes}" in spec.prelude()
 
 
 def test_the_compile_check_takes_every_specialisation_to_its_architectures():
-    """`.ci/run`'s nvcc-sweep step (``python -m cusparseattn.build --check sm_80 sm_90``) compiles each spec
-    for both architectures, the Hopper ones for sm_90a alone, and only for sm_9x."""
-    targets = build.compile_targets(["sm_80", "sm_90"])
-    assert list(targets) == build.all_specs()
+    """`.ci/run`'s nvcc-sweep step (``python -m cusparseattn.compile_check --check sm_80 sm_90``) compiles
+    each spec for both architectures, the Hopper ones for sm_90a alone, and only for sm_9x."""
+    targets = compile_check.compile_targets(["sm_80", "sm_90"])
+    assert list(targets) == compile_check.all_specs()
     for spec, archs in targets.items():
         assert archs == (["sm_90a"] if spec.arch else ["sm_80", "sm_90"]), spec.name
-    for kernel in build.ARCH:
+    for kernel in tuning.ARCH:
         assert any(spec.name.startswith(f"{kernel}_bf16_d128") for spec in targets)
     assert all(
-        archs == ([] if spec.arch else ["sm_80"]) for spec, archs in build.compile_targets(["sm_80"]).items()
+        archs == ([] if spec.arch else ["sm_80"])
+        for spec, archs in compile_check.compile_targets(["sm_80"]).items()
     )
 
 
@@ -222,7 +225,7 @@ def test_the_compile_check_takes_every_specialisation_to_its_architectures():
 def test_one_specialisation_compiles_without_spills(capsys):
     """The path of the compile check on one spec; `.ci/run`'s nvcc-sweep step runs it on all of them."""
     spec = build.KernelSpec.make("forward", "bfloat16", 64, "expr", "k <= q + P0")
-    failures = build.check(["sm_80"], [spec])
+    failures = compile_check.check(["sm_80"], [spec])
     report = capsys.readouterr().out
     assert failures == 0, report
     assert f"ok   sm_80 {spec.name}: " in report and "1 of 1 compiled for sm_80: 0 failed" in report
@@ -236,31 +239,31 @@ BESIDE = {
 }
 
 
-@pytest.mark.parametrize("kernel", build.PLAIN)
+@pytest.mark.parametrize("kernel", tuning.PLAIN)
 def test_plain_passes_take_the_query_tiles_of_the_pass_beside_them_and_no_layout(kernel):
     """The fused backward's first and last passes address its dQ sums and counters by its query tiles, the
     forward's combine pass its split rows' parts: a spec for each of that pass's tilings (with a score mod,
     wide)."""
     beside = BESIDE[kernel]
-    for head_dim in build.HOPPER_HEAD_DIMS:
-        assert build.tile_config(kernel, head_dim) == build.edge_tiles(build.tile_config(beside, head_dim))
+    for head_dim in tuning.HOPPER_HEAD_DIMS:
+        assert tuning.tile_config(kernel, head_dim) == tuning.edge_tiles(tuning.tile_config(beside, head_dim))
         for score, wide in itertools.product((False, True), repeat=2):
-            tiles = build.tile_config(beside, head_dim, score=score, wide=wide)
-            tm, _, nw = build.edge_tiles(tiles)
+            tiles = tuning.tile_config(beside, head_dim, score=score, wide=wide)
+            tm, _, nw = tuning.edge_tiles(tiles)
             assert tm == tiles[0] == 16 * nw
             spec = build.KernelSpec.make(kernel, "float16", head_dim, tiles=(tm, 64, nw))
-            assert spec.shared_bytes == 0 and spec in build.all_specs()
+            assert spec.shared_bytes == 0 and spec in compile_check.all_specs()
     with pytest.raises(ValueError, match="no layout rule or score mod"):
         build.KernelSpec.make(kernel, "bfloat16", 128, "bits")
     with pytest.raises(ValueError, match="no layout rule or score mod"):
-        build.KernelSpec.make(kernel, "bfloat16", 128, score=build.SAMPLE_SCORE)
+        build.KernelSpec.make(kernel, "bfloat16", 128, score=compile_check.SAMPLE_SCORE)
 
 
-HOPPER = sorted(build.ARCH)
+HOPPER = sorted(tuning.ARCH)
 
 
 @pytest.mark.parametrize("kernel", HOPPER)
-@pytest.mark.parametrize("head_dim", build.HOPPER_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", tuning.HOPPER_HEAD_DIMS)
 def test_hopper_spec_needs_sm90a_and_carries_its_wgmma_functions(kernel, head_dim):
     spec = build.KernelSpec.make(kernel, "bfloat16", head_dim, "bits")
     assert spec.arch == "sm_90a" and spec.threads == 384
@@ -271,32 +274,32 @@ def test_hopper_spec_needs_sm90a_and_carries_its_wgmma_functions(kernel, head_di
         assert f"void wgmma_ss<{n}>" in prelude and f"void wgmma_rs<{n}>" in prelude
         assert f"m64n{n}k16.f32.bf16.bf16 {{%0, " in prelude and f"%{n // 2 - 1}}}" in prelude
     assert "f16.f16" in build.KernelSpec.make(kernel, "float16", head_dim).prelude()
-    if kernel.removesuffix("_sm90") in build.TILES:  # its portable counterpart
+    if kernel.removesuffix("_sm90") in tuning.TILES:  # its portable counterpart
         assert build.KernelSpec.make(kernel.removesuffix("_sm90"), "bfloat16", head_dim).arch is None
 
 
 def test_hopper_shared_memory_is_the_kernels_struct_and_its_alignment():
     # Forward, D = 128: two Q buffers, two of K and three of V (128 x 128 each: forward_v_stages), 14
     # barriers, padded to 1 KiB, and 1 KiB to align; D = 64: two Q buffers, two stages, 12 barriers.
-    assert build.shared_bytes("forward_sm90", 128, (128, 128, 12)) == 7 * 32768 + 1024 + 1024
-    assert build.shared_bytes("forward_sm90", 64, (128, 128, 12)) == 6 * 16384 + 1024 + 1024
+    assert tuning.shared_bytes("forward_sm90", 128, (128, 128, 12)) == 7 * 32768 + 1024 + 1024
+    assert tuning.shared_bytes("forward_sm90", 64, (128, 128, 12)) == 6 * 16384 + 1024 + 1024
     # Key tiles of 192 at D = 128: one Q buffer, two stages of K and V (192 x 128), 10 barriers.
-    assert build.shared_bytes("forward_sm90", 128, (128, 192, 12)) == 32768 + 4 * 49152 + 1024 + 1024
+    assert tuning.shared_bytes("forward_sm90", 128, (128, 192, 12)) == 32768 + 4 * 49152 + 1024 + 1024
     # dQ: Q and dO (128 x 128), two stages of K and V (64 x 128).
-    assert build.shared_bytes("backward_dq_sm90", 128, (128, 64, 12)) == 4 * 32768 + 1024 + 1024
+    assert tuning.shared_bytes("backward_dq_sm90", 128, (128, 64, 12)) == 4 * 32768 + 1024 + 1024
     # dK/dV: K and V (128 x 128), three stages of Q and dO (64 x 128) and of their lse and delta (1.5 KiB in
     # all), 7 barriers, padded to 1 KiB, and 1 KiB to align.
-    assert build.shared_bytes("backward_dkdv_sm90", 128, (64, 128, 12)) == 5 * 32768 + 2048 + 1024
+    assert tuning.shared_bytes("backward_dkdv_sm90", 128, (64, 128, 12)) == 5 * 32768 + 2048 + 1024
     # Fused, which starts where dynamic shared memory does (no 1 KiB to align): K and V, two stages of Q and
     # dO, two dS tiles (64 x 128), two fp32 dQ shares (64 x 128), 1 KiB of statistics, 128 bytes of Visits
     # and 18 barriers, padded.
-    assert build.shared_bytes("backward_sm90", 128, (64, 128, 12)) == 226 * 1024
+    assert tuning.shared_bytes("backward_sm90", 128, (64, 128, 12)) == 226 * 1024
     # At D = 64, visits of 128 queries: one buffer of K and V (128 x 64), two stages of Q and dO (128 x 64),
     # two dS tiles (128 x 128), two fp32 dQ shares (128 x 64) and 2 KiB of statistics: 226 KiB, then the
     # Visits and barriers, padded: the most an H100 block may have.
-    assert build.shared_bytes("backward_sm90", 64, (128, 128, 12)) == 227 * 1024
+    assert tuning.shared_bytes("backward_sm90", 64, (128, 128, 12)) == 227 * 1024
     for kernel in HOPPER:
-        for head_dim in build.HOPPER_HEAD_DIMS:
+        for head_dim in tuning.HOPPER_HEAD_DIMS:
             assert build.KernelSpec.make(kernel, "float16", head_dim).shared_bytes <= 227 * 1024
 
 

@@ -25,6 +25,7 @@ from cusparseattn import (
     mods,
     patterns,
     tma,
+    tuning,
 )
 from cusparseattn import launches as kernel_launches
 
@@ -145,10 +146,10 @@ def test_forward_packs_every_field(launches):
     layout = patterns.causal(block=64).layout(seq, 333)
     cuda.forward(q, k, v, out, lse, layout, 0.125)
     ((name, grid, block, args, shared, maps),) = launches
-    tiles = build.tile_config("forward", dim)
+    tiles = tuning.tile_config("forward", dim)
     assert name == build.KernelSpec("forward", "bfloat16", dim, tiles, "expr", layout.rule.c_expr).name
     assert grid == (-(-seq // tiles[0]), 4, 2) and block == (tiles[2] * 32, 1, 1)
-    assert shared == build.shared_bytes("forward", dim, tiles) and maps == []
+    assert shared == tuning.shared_bytes("forward", dim, tiles) and maps == []
     tables = gpu_tables.device_tables(layout, tiles[0], tiles[1], 0)
     assert args[0].tobytes() == fieldwise(tables, None, 0.125, q=q, k=k, v=v, out=out, lse=lse)
 
@@ -181,7 +182,7 @@ def test_backward_packs_both_passes_and_a_score_mod(launches):
     # Both passes take every array (each reads the ones it needs).
     arrays = dict(q=q, k=k, v=v, out=out, lse=lse, dout=dout, stats=stats, dq=dq, dk=dk, dv=dv)
     for kernel, args in (("backward_dq", dq_args), ("backward_dkdv", kv_args)):
-        tiles = build.tile_config(kernel, dim, score=True)
+        tiles = tuning.tile_config(kernel, dim, score=True)
         tables = gpu_tables.device_tables(layout, tiles[0], tiles[1], 0)
         assert args[0].tobytes() == fieldwise(tables, score, 0.5, **arrays), kernel
 
@@ -221,7 +222,7 @@ def test_a_second_call_reuses_the_passes_and_packs_its_own_arrays(launches, monk
         expected = [common, backward, backward]
         for (name, *_, args, _, _), arrays in zip(launches[3 * call :], expected, strict=True):
             kernel = name.split("_bf16")[0]
-            tiles = build.tile_config(kernel, dim)
+            tiles = tuning.tile_config(kernel, dim)
             tables = gpu_tables.device_tables(layout, tiles[0], tiles[1], 0)
             packed = np.frombuffer(bytearray(args[0].tobytes()), build.PARAMS)[0]
             packed["work"], packed["work_count"] = 0, 0  # the forward's schedule: test_hopper_gpus_run...
@@ -262,12 +263,12 @@ def test_hopper_gpus_run_the_hopper_forward_with_four_tma_maps(
     monkeypatch.setattr(devices, "compute_capability", lambda device: 90)
     monkeypatch.setattr(devices, "sm_count", lambda device: sms)
     if wide:  # as if wide tiles ran in half the time of 128 x 128: they pay wherever they may run
-        monkeypatch.setattr(build, "WIDE_TILE_COST", dict.fromkeys(build.HOPPER_HEAD_DIMS, 0.5))
+        monkeypatch.setattr(tuning, "WIDE_TILE_COST", dict.fromkeys(tuning.HOPPER_HEAD_DIMS, 0.5))
     layout = _forward(head_dim, seq, patterns.dense(block=128) if wide else patterns.causal(block=64))
     ((name, grid, (threads, _, _), args, shared, maps),) = launches
     nargs = len(args)
     # Where the wide tiles pay: three consumers (192 query rows) at head dim 64, key tiles of 192 at 128.
-    tm, tn, nw = build.WIDE_TILES["forward_sm90"][head_dim] if wide else (128, 128, 12)
+    tm, tn, nw = tuning.WIDE_TILES["forward_sm90"][head_dim] if wide else (128, 128, 12)
     assert name.startswith(f"forward_sm90_bf16_d{head_dim}_q{tm}k{tn}w{nw}") and threads == 32 * nw
     tiles_q = -(-seq // tm)
     items = 8 * tiles_q
@@ -278,7 +279,7 @@ def test_hopper_gpus_run_the_hopper_forward_with_four_tma_maps(
     assert sorted(work.host[work.host >= 0]) == list(range(items)) and work.size % grid[0] == 0
     if sms == 132 and not wide:  # one item per CTA in the order dealt: each line's last query tile first
         assert list(work.host % tiles_q) == [t for t in reversed(range(tiles_q)) for _ in range(8)]
-    assert shared == build.shared_bytes("forward_sm90", head_dim, (tm, tn, nw))
+    assert shared == tuning.shared_bytes("forward_sm90", head_dim, (tm, tn, nw))
     panels = head_dim // 64
     # q, k, v, out in that order: [B, H, S, D] as (64, S, D / 64, H, B), boxes of a key tile, of a consumer's
     # 64 rows, or (q, where out is not staged in its buffer) of a query tile
@@ -371,7 +372,7 @@ def test_other_gpus_run_the_portable_kernels(launches):
     ]
 
 
-@pytest.mark.parametrize("head_dim", build.HOPPER_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", tuning.HOPPER_HEAD_DIMS)
 def test_hopper_backward_passes_take_query_and_key_tiles_of_their_own(launches, monkeypatch, head_dim):
     monkeypatch.setattr(devices, "compute_capability", lambda device: 90)
     seq = 300
@@ -424,7 +425,7 @@ def test_the_fused_backward_launches_three_passes_over_a_larger_scratch(launches
     assert stats_grid == (384 // tm, 4, 2) and dq_grid == (tiles_q, 4, 2)
     name, grid, (threads, _, _), args, shared, maps = fused
     assert name.startswith(f"backward_sm90_bf16_d{head_dim}_q{tm}k128w12") and threads == 384
-    assert grid == (5, 1, 1) and shared == build.shared_bytes("backward_sm90", head_dim, (tm, 128, 12))
+    assert grid == (5, 1, 1) and shared == tuning.shared_bytes("backward_sm90", head_dim, (tm, 128, 12))
     # q, k, v and dout copied in; dK and dV written out, 64 keys (a consumer warpgroup's) a copy.
     assert [m[2][1] for m in maps] == [tm, 128, 128, tm, 64, 64]
     (tables,) = (t for key, t in gpu_tables._tables[id(layout)].items() if key[:2] == (tm, 128))

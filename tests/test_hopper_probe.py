@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from kernel_cases import _torch, np_dtype, to_device, to_host
 
-from cusparseattn import build, env
+from cusparseattn import build, env, tuning
 from cusparseattn.testing import poisoned
 
 pytestmark = pytest.mark.gpu
@@ -37,7 +37,7 @@ def _probe(dtype: str, head_dim: int):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", build.HOPPER_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", tuning.HOPPER_HEAD_DIMS)
 def test_tma_and_both_warpgroup_products(dtype, head_dim):
     torch = _torch()
     from cusparseattn import arrays, tma

@@ -26,7 +26,7 @@ from kernel_cases import (
     to_host,
 )
 
-from cusparseattn import BlockLayout, build, patterns
+from cusparseattn import BlockLayout, patterns, tuning
 from cusparseattn.testing import check_close, forward_refs, poisoned, random_qkv
 
 pytestmark = pytest.mark.gpu
@@ -143,7 +143,7 @@ def test_both_kernels_of_a_hopper_gpu(hopper, kind, head_dim, dtype, monkeypatch
 @pytest.mark.parametrize("block", [64, 128])
 @pytest.mark.parametrize("kind", ["dense", "causal", "local", "random", "random_rule"])
 def test_the_hopper_forward_takes_wide_tiles(kind, block, seq_q, seq_k, head_dim, monkeypatch):
-    """build.WIDE_TILES, taken here wherever they may run: 192 query rows a tile at head dim 64 (three
+    """tuning.WIDE_TILES, taken here wherever they may run: 192 query rows a tile at head dim 64 (three
     consumers), 192 keys at 128 (96 mask bits a thread, one Q buffer). Tiles that cross the layout's blocks,
     whose warps each mask their own rows (common.cuh's TileMask: whole, empty, by the rule or by bits); ragged
     keys (333) or whole key tiles (512), padded query tiles (400), GQA, a [B, S, H, D] view, CTAs that walk
@@ -160,7 +160,7 @@ def test_the_hopper_forward_takes_wide_tiles(kind, block, seq_q, seq_k, head_dim
     q, k, v = random_qkv(rng, 2, 4, 2, seq_q, seq_k, head_dim, np_dtype(dtype), "bshd")
     layout = layout_for(kind, rng, 2, 4, seq_q, seq_k, block)
     assert_matches(q, k, v, layout, dtype)
-    tiles = (128, 128) if kind == "random_rule" else build.WIDE_TILES["forward_sm90"][head_dim][:2]
+    tiles = (128, 128) if kind == "random_rule" else tuning.WIDE_TILES["forward_sm90"][head_dim][:2]
     assert launched[0] == "forward_sm90" and list(gpu_tables._tables[id(layout)]) == [(*tiles, 0)]
     assert launched[1:] in ([], ["forward_combine"])  # split rows (test_the_hopper_forward_splits_...)
 
@@ -169,13 +169,13 @@ def test_the_hopper_forward_takes_wide_tiles(kind, block, seq_q, seq_k, head_dim
 @pytest.mark.parametrize("kind", ["dense", "causal"])
 def test_the_wide_hopper_forward_lets_a_row_max_lag(kind, dtype, monkeypatch):
     """The 192-row tiles at head dim 64 keep a row's max until a tile's passes it by more than 2^8
-    (build.forward_lagging_max): keys scaled tile by tile so that the max rises by less than that and by
+    (tuning.forward_lagging_max): keys scaled tile by tile so that the max rises by less than that and by
     more, and falls, from one key tile to the next; probabilities up to 2^8, as close as the reference."""
     from cusparseattn import cuda, gpu_tables
 
     launched = hopper_path(monkeypatch, True)
     monkeypatch.setattr(cuda, "_wide_pays", lambda *args: True)
-    assert build.forward_lagging_max(64, build.WIDE_TILES["forward_sm90"][64])
+    assert tuning.forward_lagging_max(64, tuning.WIDE_TILES["forward_sm90"][64])
     rng = np.random.default_rng(["dense", "causal"].index(kind) * 2 + DTYPES.index(dtype))
     q, k, v = random_qkv(rng, 2, 4, 2, 1000, 1000, 64, np_dtype(dtype))
     gains = np.repeat([1.0, 1.3, 5.0, 5.5, 0.5, 12.0, 12.5, 3.0], 128)[:1000]
@@ -251,7 +251,7 @@ def test_the_hopper_forward_splits_its_last_rows(kind, head_dim, wide, monkeypat
         layout = BlockLayout(blocks, block_size=128, seq_q=seq_q, seq_k=seq_k, partial=blocks, rule=rule)
     else:
         layout = layout_for(kind, rng, batch, heads, seq_q, seq_k, 128)
-    tiles = build.tile_config("forward_sm90", head_dim, wide=wide and kind != "bits")
+    tiles = tuning.tile_config("forward_sm90", head_dim, wide=wide and kind != "bits")
     tables = gpu_tables.device_tables(layout, tiles[0], tiles[1], 0)
     items = batch * heads * tables.plan.tiles_q
 

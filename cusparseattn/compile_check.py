@@ -1,0 +1,192 @@
+"""The compile check: every specialisation the kernels can be built as, compiled with nvcc for the given
+architectures, failing on an error or a register spill. A step of ``.ci/run`` where nvcc is installed (no
+GPU needed)::
+
+    python -m cusparseattn.compile_check --check sm_80 sm_90
+"""
+
+from __future__ import annotations
+
+import re
+
+from . import build, tuning
+from .build import DTYPES, KernelSpec, RuleSpec
+
+
+def all_specs() -> list[KernelSpec | RuleSpec]:
+    """The specialisations the CI compile check builds: every pass, head dim and mask kind in bfloat16,
+    float16 without a mask, the smaller tiles that devices with less shared memory take, a score mod, and
+    the block classification of a rule."""
+    rules = [("none", None), ("bits", None), ("expr", "k <= q + P0")]
+    specs = []
+    for kernel, table in tuning.TILES.items():
+        if kernel in tuning.PLAIN:
+            specs += [
+                KernelSpec.make(kernel, dt, d, tiles=t)
+                for d, ts in table.items()
+                for t in ts
+                for dt in DTYPES
+            ]
+            continue
+        for d in tuning.HOPPER_HEAD_DIMS if kernel in tuning.ARCH else (32, 64, 96, 128, 256):
+            specs += [KernelSpec.make(kernel, "bfloat16", d, mode, expr) for mode, expr in rules]
+            specs.append(KernelSpec.make(kernel, "float16", d))
+        for d, candidates in table.items():
+            if d >= 128:
+                specs += [KernelSpec.make(kernel, "bfloat16", d, *rules[2], tiles=t) for t in candidates[1:]]
+        specs += [KernelSpec.make(kernel, "bfloat16", d, *rules[2], score=SAMPLE_SCORE) for d in (64, 128)]
+        for d, t in tuning.WIDE_TILES.get(kernel, {}).items():
+            specs += [
+                KernelSpec.make(kernel, "float16", d, tiles=t),
+                KernelSpec.make(kernel, "bfloat16", d, *rules[2], tiles=t),
+            ]
+        if kernel == "forward_sm90":  # with split rows: its tiles, and the wide ones
+            for d in tuning.HOPPER_HEAD_DIMS:
+                for t in (tuning.tile_config(kernel, d), tuning.WIDE_TILES[kernel][d]):
+                    specs.append(KernelSpec.make(kernel, "bfloat16", d, *rules[2], tiles=t, split_rows=True))
+    return [*specs, RuleSpec("csa::floormod(k, P0) == 0 && A0[q] == A0[k]")]
+
+
+# A score mod of every kind of term a traced one has (a float parameter, a captured table, tanh): ALiBi
+# with soft-capping, for the compile check.
+SAMPLE_SCORE = (
+    "SF0 * tanhf((s + ((const float*)SA0)[h] * (float)(k - q)) / SF0)",
+    "1.0f - tanhf((s + ((const float*)SA0)[h] * (float)(k - q)) / SF0)"
+    " * tanhf((s + ((const float*)SA0)[h] * (float)(k - q)) / SF0)",
+)
+
+
+def _nvrtc_library():
+    """libnvrtc and the CUDA headers beside it (CUDA wheels or the toolkit), for the compile check; None
+    where there is none."""
+    import ctypes
+    import glob
+    import site
+    import sysconfig
+    from pathlib import Path
+
+    roots = [sysconfig.get_paths()["purelib"], *site.getsitepackages(), "/usr/local/cuda/lib64"]
+    for root in roots:
+        for path in sorted(
+            glob.glob(f"{root}/nvidia/cu1*/lib/libnvrtc.so*") + glob.glob(f"{root}/libnvrtc.so*")
+        ):
+            try:
+                # NVRTC dlopens its builtins by name: load them first from the same folder.
+                for builtins in glob.glob(str(Path(path).parent / "libnvrtc-builtins.so*")):
+                    ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+                include = Path(path).parent.parent / "include"
+                if (include / "cuda_fp16.h").is_file():
+                    return ctypes.CDLL(path), str(include)
+            except OSError:
+                continue
+    return None
+
+
+def nvrtc_compile(lib, source: str, arch: str, include: str) -> str:
+    """Compiles with NVRTC, as CuPy does at run time (no host headers, CuPy's -ftz=true); returns the log."""
+    import ctypes
+
+    prog = ctypes.c_void_p()
+    lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"k.cu", 0, None, None)
+    opts = [*build.nvrtc_options(), f"--gpu-architecture={arch}", f"-I{include}", "-ftz=true"]
+    argv = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+    status = lib.nvrtcCompileProgram(prog, len(opts), argv)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    buf = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, buf)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    if status != 0:
+        raise RuntimeError(buf.value.decode(errors="replace"))
+    return buf.value.decode(errors="replace")
+
+
+def compile_targets(archs: list[str], specs=None) -> dict[KernelSpec | RuleSpec, list[str]]:
+    """The architectures each spec compiles for in `check` (``specs`` defaults to `all_specs`): a kernel for
+    one architecture (sm_90a) compiles for it alone, when any sm_9x is asked for; every other spec for each
+    of ``archs``."""
+    hopper = any(a.startswith("sm_9") for a in archs)
+    return {
+        spec: ([spec.arch] if hopper else []) if spec.arch else list(archs)
+        for spec in (all_specs() if specs is None else specs)
+    }
+
+
+def check(archs: list[str], specs=None) -> int:
+    """Compile every spec (or those of ``specs``) with nvcc for each arch (registers, spills) and with NVRTC
+    where libnvrtc is installed (the run-time path); returns the number that failed. Fails on an error, a
+    spill or warpgroup MMAs that ptxas serialized. Needs nvcc, no GPU."""
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        print("FAIL: nvcc is not on PATH")
+        return 1
+    lib, include = _nvrtc_library() or (None, None)
+    print(f"nvcc: {nvcc}; NVRTC: {include or 'not installed, skipped'}")
+
+    def compile_one(tmp: str, spec: KernelSpec | RuleSpec, arch: str, last: bool) -> tuple[str, list[str]]:
+        src = Path(tmp) / f"{spec.name}_{arch}.cu"
+        src.write_text(spec.source())
+        # -ftz=true as CuPy gives NVRTC at run time: registers and spills of the code that runs.
+        cmd = [
+            nvcc,
+            "-cubin",
+            f"-arch={arch}",
+            "-std=c++17",
+            "-ftz=true",
+            "-Xptxas",
+            "-v",
+            str(src),
+            "-o",
+            os.devnull,
+        ]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        regs = re.search(r"Used (\d+) registers", res.stderr)
+        spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", res.stderr)]
+        problems = [res.stderr] if res.returncode else []
+        if any(spills):
+            problems.append(f"register spills {spills}")
+        # ptxas waits for each warpgroup MMA where the code around one would read its registers in flight.
+        problems += re.findall(r"\(C75\d\d\).*", res.stderr)
+        if lib is not None and last:  # NVRTC's front end is the same for every arch: once per spec
+            try:
+                nvrtc_compile(lib, spec.source(), arch, include)
+            except RuntimeError as err:
+                problems.append(f"NVRTC: {err}")
+        line = (
+            f"{'FAIL' if problems else 'ok':4} {arch} {spec.name}: {regs.group(1) if regs else '?'} registers"
+        )
+        return line, problems
+
+    failures = 0
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        jobs = [
+            pool.submit(compile_one, tmp, spec, arch, arch == arches[-1])
+            for spec, arches in compile_targets(archs, specs).items()
+            for arch in arches
+        ]
+        for job in jobs:
+            line, problems = job.result()
+            failures += bool(problems)
+            print("\n".join([line, *problems]))
+    print(f"{len(jobs) - failures} of {len(jobs)} compiled for {', '.join(archs)}: {failures} failed")
+    return failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=check.__doc__)
+    parser.add_argument("--check", nargs="+", metavar="ARCH", default=["sm_80", "sm_90"])
+    args = parser.parse_args(argv)
+    return 1 if check(args.check) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
