@@ -17,13 +17,139 @@ import functools
 import math
 import numbers
 import weakref
+from typing import NamedTuple
 
 from . import mods, patterns
-from .arrays import Sizes, Tensor, check_layout, validate, wrap
+from .arrays import DTYPES, Device, Tensor, device_name, wrap
 from .layout import BlockLayout
 from .trace import EnvironmentCache
 
 
+# ---- the arrays' sizes ----------------------------------------------------------------------------------
+class Sizes(NamedTuple):
+    """The sizes of one attention call, read off validated inputs."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq_q: int
+    seq_k: int
+    head_dim: int
+    dtype: str
+    device: Device
+    framework: str
+
+
+def _set(values) -> str:
+    return "{" + ", ".join(repr(v) for v in sorted(set(values))) + "}"
+
+
+def _names(holders) -> str:
+    return ", ".join(h.name for h in holders)
+
+
+def validate(q, k, v, *, dout=None, out=None, lse=None) -> Sizes:
+    """Check one attention call's arrays (or their holders) and return its sizes; raise naming the argument.
+
+    ``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, Sk, D]`` with Hq a multiple of Hkv; for the backward also ``dout``
+    and ``out`` shaped like q and ``lse [B, Hq, Sq]``. Any strides with a contiguous last dimension, so
+    ``[B, S, H, D]`` arrays pass as the views ``x.transpose(1, 2)`` without a copy.
+
+    >>> import numpy as np
+    >>> q, k = np.ones((1, 12, 8, 4), np.float32), np.ones((1, 8, 8, 4), np.float32)
+    >>> validate(q, k, k)
+    Traceback (most recent call last):
+    ...
+    ValueError: k has 8 heads, and q's 12 heads are not a multiple of it
+    """
+    q, k, v = wrap(q, "q"), wrap(k, "k"), wrap(v, "v")
+    dout, out, lse = (
+        None if x is None else wrap(x, name) for name, x in (("dout", dout), ("out", out), ("lse", lse))
+    )
+    grads = [h for h in (dout, out) if h is not None]
+    arrays = [h for h in (dout, q, k, v, out) if h is not None]
+    everything = arrays + ([lse] if lse is not None else [])
+
+    frameworks = {h.framework for h in everything}
+    if len(frameworks) > 1:
+        raise TypeError(f"{_names(everything)} must be arrays of one framework, got {_set(frameworks)}")
+
+    for h in arrays:
+        if h.ndim != 4:
+            raise ValueError(
+                f"{h.name} must be 4-D [batch, heads, seq, head_dim], got shape {h.shape}; "
+                "for [batch, seq, heads, head_dim] arrays pass the view x.transpose(1, 2)"
+            )
+        if 0 in h.shape:
+            raise ValueError(f"{h.name} has an empty dimension: shape {h.shape}")
+    (B, Hq, Sq, D), (Bk, Hkv, Sk, Dk) = q.shape, k.shape
+    if Bk != B:
+        raise ValueError(f"k has batch size {Bk}, expected q's batch size {B}")
+    if Dk != D:
+        raise ValueError(f"k has head dim {Dk}, expected q's head dim {D}")
+    if v.shape != k.shape:
+        raise ValueError(f"v has shape {v.shape}, expected k's shape {k.shape}")
+    if Hq % Hkv:
+        raise ValueError(f"k has {Hkv} heads, and q's {Hq} heads are not a multiple of it")
+    for h in grads:
+        if h.shape != q.shape:
+            raise ValueError(f"{h.name} has shape {h.shape}, expected q's shape {q.shape}")
+    if lse is not None and lse.shape != (B, Hq, Sq):
+        raise ValueError(f"lse has shape {lse.shape}, expected (batch, q heads, q tokens) = {(B, Hq, Sq)}")
+
+    dtypes = {h.dtype for h in arrays}
+    if len(dtypes) > 1:
+        raise ValueError(f"{_names(arrays)} must have one dtype, got {_set(dtypes)}")
+    if q.dtype not in DTYPES:
+        raise ValueError(f"{_names(arrays)} have dtype {q.dtype}, expected one of {', '.join(DTYPES)}")
+    if lse is not None and lse.dtype not in ("float32", "float64"):
+        raise ValueError(f"lse has dtype {lse.dtype}, expected float32 (or float64)")
+
+    devices = {device_name(h.device) for h in everything}
+    if len(devices) > 1:
+        raise ValueError(f"{_names(everything)} must be on one device, got {_set(devices)}")
+    if q.device[0] not in ("cpu", "cuda"):
+        raise ValueError(f"{_names(everything)} are on {device_name(q.device)}; expected cpu or cuda arrays")
+
+    for h in everything:
+        if h.shape[-1] > 1 and h.strides[-1] != 1:
+            raise ValueError(
+                f"{h.name}'s last dimension must be contiguous (stride 1), got strides {h.strides}; "
+                "copy it (e.g. x.contiguous()): views such as [B, S, H, D] transposes are fine as they are"
+            )
+    return Sizes(B, Hq, Hkv, Sq, Sk, D, q.dtype, q.device, q.framework)
+
+
+def check_layout(layout: BlockLayout, sizes: Sizes) -> None:
+    """Check that a BlockLayout fits the inputs: its lengths, batch (1 or B) and heads (1 or Hq).
+
+    >>> import numpy as np
+    >>> lay = BlockLayout(np.ones((2, 2), bool), block_size=64, seq_q=128)
+    >>> check_layout(lay, Sizes(1, 4, 4, 100, 100, 64, "float32", ("cpu", 0), "numpy"))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: layout was built for seq_q=128, seq_k=128, but q has 100 tokens ...(100, 100), or pass...
+    """
+    if not isinstance(layout, BlockLayout):
+        raise TypeError(f"layout must be None, a Pattern or a BlockLayout, got {type(layout).__qualname__}")
+    if (layout.seq_q, layout.seq_k) != (sizes.seq_q, sizes.seq_k):
+        raise ValueError(
+            f"layout was built for seq_q={layout.seq_q}, seq_k={layout.seq_k}, but q has {sizes.seq_q} "
+            f"tokens and k has {sizes.seq_k}; build the layout for these lengths with "
+            f"pattern.layout({sizes.seq_q}, {sizes.seq_k}), or pass the Pattern"
+        )
+    if layout.batch not in (1, sizes.batch):
+        raise ValueError(
+            f"layout has batch {layout.batch}, expected 1 (shared) or q's batch size {sizes.batch}"
+        )
+    if layout.heads not in (1, sizes.heads_q):
+        raise ValueError(
+            f"layout has {layout.heads} heads, expected 1 (shared) or q's {sizes.heads_q} heads "
+            "(layouts count query heads)"
+        )
+
+
+# ---- the call ---------------------------------------------------------------------------------------------
 class Inputs:
     """The validated arrays (holders) of one call, its layout, scale and score mod: what a backend decides
     on and runs.

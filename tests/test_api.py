@@ -98,7 +98,7 @@ def test_block_layout_with_causal_intersects():
     mask = lay.to_dense() & causal_mask(64, 96)
     np.testing.assert_allclose(out, expected(q, k, v, mask)[0], atol=TOL)
     # The same layout gives the same intersection object, so per-layout caches keep working.
-    sizes = cusparseattn.arrays.Sizes(2, 4, 2, 64, 96, 16, "float32", ("cpu", 0), "numpy")
+    sizes = cusparseattn.call.Sizes(2, 4, 2, 64, 96, 16, "float32", ("cpu", 0), "numpy")
     assert call.resolve_layout(lay, True, sizes) is call.resolve_layout(lay, True, sizes)
 
 
@@ -255,7 +255,7 @@ def test_torch_cpu_in_torch_out_zero_copy(layout, seen_by_reference):
 
 def sizes_of(q, k):
     B, Hq, Sq, D = q.shape
-    return cusparseattn.arrays.Sizes(B, Hq, k.shape[1], Sq, k.shape[2], D, "float32", ("cpu", 0), "torch")
+    return cusparseattn.call.Sizes(B, Hq, k.shape[1], Sq, k.shape[2], D, "float32", ("cpu", 0), "torch")
 
 
 def test_torch_bfloat16_round_trip(seen_by_reference):

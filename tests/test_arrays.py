@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from cusparseattn import arrays
-from cusparseattn.arrays import CPU, Sizes, check_layout, validate, wrap
+from cusparseattn.arrays import CPU, wrap
+from cusparseattn.call import Sizes, check_layout, validate
 from cusparseattn.layout import BlockLayout
 
 torch = pytest.importorskip("torch")

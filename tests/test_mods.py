@@ -348,7 +348,7 @@ def test_api_score_mod_and_mask_function_layouts():
     from cusparseattn import call
 
     layout_of = call.resolve_layout  # the same function gives the same layout object (device caches)
-    sizes = ca.arrays.validate(*(ca.arrays.wrap(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))))
+    sizes = ca.call.validate(*(ca.arrays.wrap(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))))
     assert layout_of(mask, False, sizes) is layout_of(mask, False, sizes)
     per_head = ca.attention(q, k, v, lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= 5 * h)
     lay_h = patterns.from_mask(lambda b, h, q_idx, kv_idx: q_idx - kv_idx <= 5 * h, heads=4).layout(150)
@@ -488,7 +488,7 @@ def test_mask_functions_give_new_layouts_when_their_values_change():
 
     rng = np.random.default_rng(9)
     q, k, v = random_inputs(rng, 1, 2, 2, 256, 256, 16, np.float32)
-    sizes = ca.arrays.validate(*(ca.arrays.wrap(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))))
+    sizes = ca.call.validate(*(ca.arrays.wrap(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))))
     docs = torch.zeros(256, dtype=torch.int64)
 
     def same_document(b, h, q_idx, kv_idx):

@@ -27,7 +27,8 @@ import numpy as np
 
 from .. import backends
 from .. import call as core
-from ..arrays import DTYPES, check_layout, validate
+from ..arrays import DTYPES
+from ..call import check_layout, validate
 from ..layout import MAX_BLOCK, MIN_BLOCK, BlockLayout
 from . import ring, schedule
 from .balance import Ordering, resolve
