@@ -21,8 +21,8 @@ from typing import NamedTuple
 
 from . import mods, patterns
 from .arrays import DTYPES, Device, Tensor, device_name, wrap
+from .captures import EnvironmentCache
 from .layout import BlockLayout
-from .trace import EnvironmentCache
 
 
 # ---- the arrays' sizes ----------------------------------------------------------------------------------
@@ -250,7 +250,7 @@ def mask_pattern(fn, batch: int | None, heads: int | None, block: int = 128) -> 
     """``patterns.from_mask(fn)`` over these batch elements and heads, in blocks of ``block`` tokens (None:
     rules of ``b`` or ``h`` are refused, naming them). The same function gives the same Pattern (which caches
     its layouts per lengths, so the kernels' tables are reused) while what it captures is unchanged
-    (`cusparseattn.trace.environment`: document ids refilled in place in a torch tensor give a new layout).
+    (`cusparseattn.captures.environment`: document ids refilled in place in a torch tensor give a new layout).
     Values whose changes cannot be seen (dicts, large writable NumPy arrays) are taken as unchanged: building
     a layout costs far more than a trace."""
 

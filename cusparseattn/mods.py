@@ -27,16 +27,11 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .captures import EnvironmentCache
+from .program import MASK_NAMES
 from .rules import TokenRule
-from .trace import (
-    MASK_NAMES,
-    CapturedArray,
-    EnvironmentCache,
-    Expr,
-    ScoreMod,
-    TracedMask,
-    trace,
-)
+from .trace import ScoreMod, TracedMask, trace
+from .traced import CapturedArray, Expr
 
 __all__ = [
     "CapturedArray",
@@ -98,7 +93,7 @@ def score_mod(fn: Callable, *, name: str | None = None) -> ScoreMod:
 
     Raises `cusparseattn.trace.TraceError` (a TypeError) when ``fn`` cannot be traced, and a ValueError when
     the kernels cannot take it (more than 8 integer or 8 float parameters, or 4 arrays). The same function
-    with unchanged captured values (`cusparseattn.trace.environment`) returns the same ScoreMod.
+    with unchanged captured values (`cusparseattn.captures.environment`) returns the same ScoreMod.
 
     >>> sm = score_mod(lambda score, b, h, q_idx, kv_idx: score - 0.1 * abs(q_idx - kv_idx))
     >>> sm.c_expr

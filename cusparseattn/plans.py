@@ -5,7 +5,7 @@ A signature is everything those steps read: each array's shape, strides, dtype, 
 (`cusparseattn.arrays.signature`), the layout and the score mod by identity, causal, scale, the backend
 asked for, the backends enabled here (`cusparseattn.backends.state`) and the switches that choose kernels.
 A mask function or a score function is first resolved to the Pattern or ScoreMod that its captured values
-give (`cusparseattn.trace.EnvironmentCache`: the same function with unchanged captures, the same object),
+give (`cusparseattn.captures.EnvironmentCache`: the same function with unchanged captures, the same object),
 so those are keyed too. Every path looks its plan up here: eager PyTorch (`cusparseattn.torch`), its
 ``torch.compile`` operators, CuPy and NumPy arrays (`cusparseattn.api`), JAX's XLA calls
 (`cusparseattn.jax`) and ring attention's steps. A miss is the only place that validates, chooses a

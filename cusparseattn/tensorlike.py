@@ -4,7 +4,7 @@ FlexAttention users write rules with torch (``(q - k).abs() <= w``, ``torch.wher
 ``b.new_ones((), dtype=torch.bool)``, ``torch.exp2``, ``q.clamp(lo, hi)``) and JAX users with
 ``jax.numpy``. `cusparseattn.trace` reads both into the same graph, through the tables here:
 
-- torch: a traced value (`cusparseattn.trace.Expr`) is a tensor-like. Its ``__torch_function__`` hands
+- torch: a traced value (`cusparseattn.traced.Expr`) is a tensor-like. Its ``__torch_function__`` hands
   every ``torch.*`` function and ``Tensor`` method that meets one to `OPERATIONS` / `METHODS` by name,
   whatever path reached it: the user's code, FlexAttention's own ``and_masks`` / ``or_masks``, a tensor
   indexed by a traced value. The methods a tensor has (``.abs()``, ``.clamp(...)``, ``.to(dtype)``,
@@ -30,7 +30,7 @@ framework's own index tensors, vmapped over every axis of their broadcast shape,
 that calls an unknown function is the mask that FlexAttention's ``create_mask`` gives.
 
 The handlers take the graph first: ``graph.apply(op, *operands)``, ``graph.literal``, ``graph.operand``,
-``graph.cast`` and ``graph.index`` are all they use (`cusparseattn.trace.Graph`).
+``graph.cast`` and ``graph.index`` are all they use (`cusparseattn.graph.Graph`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ from .layout import BlockLayout
 from .mods import mask_rule
 from .pattern import Pattern, dense
 from .rules import MAX_ARRAYS, MAX_PARAMS, TokenRule, is_torch
-from .trace import NotCompilable, TraceError, untraced_mask
+from .trace import untraced_mask
+from .traced import NotCompilable, TraceError
 
 
 class _HeadSelect:

@@ -22,7 +22,7 @@ from torch.nn.attention.flex_attention import and_masks, create_mask, or_masks
 
 import cusparseattn as ca
 from cusparseattn import patterns
-from cusparseattn.trace import TraceError
+from cusparseattn.traced import TraceError
 
 # ---- the values the rules capture, as FlexAttention users keep them: tensors and numbers ------------------
 WINDOW, DILATION, SINKS, PREFIX, BLOCK = 9, 3, 4, 13, 8

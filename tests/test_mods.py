@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import cusparseattn as ca
 from cusparseattn import mods, patterns, reference
-from cusparseattn.trace import TraceError
+from cusparseattn.traced import TraceError
 
 IDS = np.repeat([0, 1, 2, 3], [70, 1, 90, 39])  # 200 tokens, a one-token document
 IDS2 = np.stack([IDS, np.repeat([0, 1], [150, 50])])

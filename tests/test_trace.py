@@ -23,7 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cusparseattn import mods, patterns, trace
-from cusparseattn.trace import MASK_NAMES, SCORE_NAMES, NotCompilable, TraceError
+from cusparseattn.program import MASK_NAMES, SCORE_NAMES
+from cusparseattn.traced import NotCompilable, TraceError
 
 _TABLES = np.random.default_rng(7)
 T = _TABLES.integers(-20, 21, size=37)  # an int table

@@ -1,0 +1,267 @@
+"""A finished trace (`Program`): its output as one C expression for the kernels (`c_text`, with the names a
+mask or a score mod prints as: `MASK_NAMES`, `SCORE_NAMES`), evaluated on NumPy or CuPy index arrays for
+the reference (`evaluate`), its parameters and captured arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .traced import (
+    MAX_ARRAYS,
+    MAX_FLOAT_PARAMS,
+    MAX_INT_PARAMS,
+    ArrayRef,
+    Expr,
+    NotCompilable,
+    clamp_index,
+    type_root,
+)
+
+
+# ---- the finished program ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CNames:
+    """How a program's parameters and arrays are spelled in C, for one kernel interface."""
+
+    int_param: str  # prefix of the long long parameters
+    float_param: str | None  # prefix of the float parameters (None: floats are not allowed)
+    array_int: str  # format of an int array's element: {slot}, {index}
+    array_float: str | None
+
+
+MASK_NAMES = CNames("P", None, "((long long)A{slot}[{index}])", None)
+SCORE_NAMES = CNames(
+    "SI", "SF", "((long long)((const int*)SA{slot})[{index}])", "(((const float*)SA{slot})[{index}])"
+)
+
+_C_BINARY = {
+    "add": "+", "sub": "-", "mul": "*", "truediv": "/",
+    "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!=",
+}  # fmt: skip
+_C_LOGICAL = {"and": ("&&", "&"), "or": ("||", "|"), "xor": ("!=", "^")}  # (booleans, integers)
+_C_FLOAT_FUNCTIONS = {
+    "exp": "expf", "exp2": "exp2f", "log": "logf", "log2": "log2f", "tanh": "tanhf", "sqrt": "sqrtf",
+    "abs": "fabsf", "sin": "sinf", "cos": "cosf",
+}  # fmt: skip
+_C_SHIFTS = {"lshift": "<<", "rshift": ">>"}
+
+
+class Program:
+    """A finished trace: named output nodes with their parameters and arrays numbered in a fixed order.
+
+    Slots are numbered by a depth-first walk of the outputs, so the same structure always gets the same
+    numbering (and the same C text), whatever the values.
+    """
+
+    def __init__(self, outputs: dict[str, Expr], role: str, name: str):
+        self.outputs, self.role, self.name = outputs, role, name
+        self._slots: dict[int, int] = {}  # id(Param) or id(ArrayRef) -> slot
+        ints: list[int] = []
+        floats: list[float] = []
+        arrays: list[ArrayRef] = []
+        self.variables: set[str] = set()
+        self.kinds: set[str] = set()
+        seen: set[int] = set()
+
+        def number(param: Expr) -> None:
+            if id(param.data) not in self._slots:
+                values = ints if param.kind == "int" else floats
+                self._slots[id(param.data)] = len(values)
+                values.append(param.data.value)
+
+        def walk(x: Expr) -> None:
+            if id(x) in seen:
+                return
+            seen.add(id(x))
+            self.kinds.add(x.kind)
+            for a in x.args:
+                walk(a)
+            if x.op == "var":
+                self.variables.add(x.data)
+            elif x.op == "param":
+                number(x)
+            elif x.op == "index" and id(x.data) not in self._slots:
+                self._slots[id(x.data)] = len(arrays)
+                arrays.append(x.data)
+                for dim in x.data.shape:
+                    number(dim)
+
+        for out in outputs.values():
+            walk(out)
+        self.int_params, self.float_params = tuple(ints), tuple(floats)
+        self._arrays = tuple(arrays)
+        self.arrays = tuple(ref.array.data.reshape(-1) for ref in arrays)
+
+    def check_compilable(self) -> Program:
+        """Raise `NotCompilable` unless the kernels can take this program; return it."""
+        what = f"{self.role} {self.name!r}"
+        if self.role == "mask_mod" and "float" in self.kinds:
+            raise NotCompilable(
+                f"mask_mod takes integers only, but {what} computes with floats (a float constant, a float "
+                "array, or / division): use // for integer division and integer constants"
+            )
+        integer_noun = (
+            "integer parameters (each integer constant and each dimension of a captured array is one)"
+        )
+        for count, limit, noun in (
+            (len(self.int_params), MAX_INT_PARAMS, integer_noun),
+            (len(self.float_params), MAX_FLOAT_PARAMS, "float parameters (each float constant is one)"),
+            (len(self.arrays), MAX_ARRAYS, "captured arrays"),
+        ):
+            if count > limit:
+                raise NotCompilable(
+                    f"{what} needs {count} {noun}; the kernels take at most {limit}. Capture numbers in "
+                    "variables (one parameter each, however often used) or merge arrays"
+                )
+        return self
+
+    @property
+    def structure(self) -> tuple:
+        """What changes compiled code: the C text, counts of parameters and arrays' dtypes and ranks."""
+        names = SCORE_NAMES if self.role == "score_mod" else MASK_NAMES
+        texts = tuple(self.c_text(n, names) for n in self.outputs)
+        ranks = tuple((ref.array.data.dtype.str, ref.array.ndim) for ref in self._arrays)
+        return (self.role, texts, len(self.int_params), len(self.float_params), ranks)
+
+    # ---- C ----
+    def c_text(self, output: str, names: CNames) -> str:
+        """The output as one fully parenthesised C expression over ``s, b, h, q, k`` and the slots."""
+        memo: dict[int, str] = {}
+        return self._c(self.outputs[output], names, memo)
+
+    def _c(self, x: Expr, names: CNames, memo: dict[int, str]) -> str:
+        found = memo.get(id(x))
+        if found is not None:
+            return found
+        a = [self._c(arg, names, memo) for arg in x.args]
+        op, kind = x.op, x.kind
+        if op == "var":
+            text = x.data
+        elif op == "lit":
+            text = _c_literal(x.data, kind)
+        elif op == "param":
+            prefix = names.int_param if kind == "int" else names.float_param
+            text = f"{prefix}{self._slots[id(x.data)]}"
+        elif op == "index":
+            ref = x.data
+            shape = [self._c(d, names, memo) for d in ref.shape]
+            flat = None
+            for i, n in zip(a, shape, strict=True):
+                clamped = f"min(max({i}, 0LL), ({n} - 1LL))"
+                flat = clamped if flat is None else f"(({flat} * {n}) + {clamped})"
+            form = names.array_int if kind == "int" else names.array_float
+            text = form.format(slot=self._slots[id(ref)], index=flat)
+        elif op == "cast":
+            text = f"((float)({a[0]}))" if kind == "float" else f"((long long)({a[0]}))"
+        elif op in _C_BINARY:
+            text = f"({a[0]} {_C_BINARY[op]} {a[1]})"
+        elif op in _C_LOGICAL:
+            text = f"({a[0]} {_C_LOGICAL[op][kind != 'bool']} {a[1]})"
+        elif op == "invert":
+            text = f"(!{a[0]})" if kind == "bool" else f"(~{a[0]})"
+        elif op == "neg":
+            text = f"(-{a[0]})"
+        elif op == "floordiv":
+            text = f"csa::floordiv({a[0]}, {a[1]})" if kind == "int" else f"floorf(({a[0]} / {a[1]}))"
+        elif op == "mod" and kind == "int":
+            text = f"csa::floormod({a[0]}, {a[1]})"
+        elif op == "mod":
+            text = f"({a[0]} - (floorf(({a[0]} / {a[1]})) * {a[1]}))"
+        elif op == "fmod":  # C's own remainder: truncated, with the sign of the dividend
+            text = f"({a[0]} % {a[1]})" if kind == "int" else f"fmodf({a[0]}, {a[1]})"
+        elif op in _C_SHIFTS:
+            text = f"({a[0]} {_C_SHIFTS[op]} {a[1]})"
+        elif op in ("minimum", "maximum"):
+            fn = op[:3] if kind == "int" else ("fminf" if op == "minimum" else "fmaxf")
+            text = f"{fn}({a[0]}, {a[1]})"
+        elif op == "abs" and kind == "int":
+            text = f"max({a[0]}, (-{a[0]}))"
+        elif op in _C_FLOAT_FUNCTIONS:
+            text = f"{_C_FLOAT_FUNCTIONS[op]}({a[0]})"
+        elif op == "where":
+            text = f"({a[0]} ? {a[1]} : {a[2]})"
+        else:
+            raise AssertionError(f"no C form for {op}")
+        memo[id(x)] = text
+        return text
+
+    # ---- NumPy / CuPy ----
+    def evaluate(self, output: str, env: dict, float_dtype=np.float32, xp=np):
+        """The output on arrays: ``env`` maps ``b, h, q, k`` (and ``s``) to broadcasting arrays (integers
+        as int64, the score in ``float_dtype``); ``xp`` is ``numpy`` or ``cupy``. The result has the
+        broadcast shape of the variables the output uses."""
+        values = {"s": None}
+        for name in ("b", "h", "q", "k"):
+            if name in env:
+                values[name] = xp.asarray(env[name], dtype=xp.int64)
+        if "s" in env:
+            values["s"] = xp.asarray(env["s"], dtype=float_dtype)
+        memo: dict[int, object] = {}
+        with np.errstate(all="ignore"):
+            return self._eval(self.outputs[output], values, np.dtype(float_dtype), xp, memo)
+
+    def _eval(self, x: Expr, values: dict, fdtype: np.dtype, xp, memo: dict):
+        found = memo.get(id(x))
+        if found is not None:
+            return found
+        a = [self._eval(arg, values, fdtype, xp, memo) for arg in x.args]
+        op, kind = x.op, x.kind
+        scalar = {"bool": xp.bool_, "int": xp.int64, "float": fdtype.type}[kind]
+        if op == "var":
+            out = values[x.data]
+        elif op in ("lit", "param"):
+            out = scalar(x.data if op == "lit" else x.data.value)
+        elif op == "index":
+            ref = x.data
+            idx = tuple(clamp_index(i, n) for i, n in zip(a, ref.array.shape, strict=True))
+            out = ref.array._table_for(idx)[idx].astype(xp.int64 if kind == "int" else fdtype)
+        elif op == "cast":
+            out = xp.asarray(a[0]).astype(xp.int64 if kind == "int" else fdtype)
+        elif op == "floordiv" and kind == "float":
+            out = xp.floor(a[0] / a[1])
+        elif op == "mod" and kind == "float":
+            out = a[0] - xp.floor(a[0] / a[1]) * a[1]
+        elif op in _NUMPY_LOGICAL:
+            out = getattr(xp, _NUMPY_LOGICAL[op][kind != "bool"])(*a)
+        elif op in ("minimum", "maximum") and kind == "float":
+            out = (xp.fmin if op == "minimum" else xp.fmax)(*a)  # C's fminf/fmaxf: a NaN operand loses
+        else:
+            out = getattr(xp, _NUMPY[op])(*a)
+        memo[id(x)] = out
+        return out
+
+
+_NUMPY = {
+    "add": "add", "sub": "subtract", "mul": "multiply", "truediv": "true_divide", "floordiv": "floor_divide",
+    "mod": "remainder", "lt": "less", "le": "less_equal", "gt": "greater", "ge": "greater_equal",
+    "eq": "equal", "ne": "not_equal", "neg": "negative", "abs": "abs", "minimum": "minimum",
+    "maximum": "maximum", "exp": "exp", "log": "log", "tanh": "tanh", "sqrt": "sqrt", "where": "where",
+    "exp2": "exp2", "log2": "log2", "sin": "sin", "cos": "cos", "fmod": "fmod", "lshift": "left_shift",
+    "rshift": "right_shift",
+}  # fmt: skip
+_NUMPY_LOGICAL = {
+    "and": ("logical_and", "bitwise_and"),
+    "or": ("logical_or", "bitwise_or"),
+    "xor": ("logical_xor", "bitwise_xor"),
+    "invert": ("logical_not", "invert"),
+}
+
+
+def _c_literal(value, kind: str) -> str:
+    if kind == "bool":
+        return "true" if value else "false"
+    if kind == "int":
+        return f"{value}LL" if value >= 0 else f"(-{-value}LL)"
+    if value != value:
+        return "NAN"
+    if value in (float("inf"), float("-inf")):
+        return "INFINITY" if value > 0 else "(-INFINITY)"
+    text = f"{abs(value)!r}f"
+    return text if value >= 0 else f"(-{text})"
+
+
+def array_module(*xs):
+    return next((__import__("cupy") for x in xs if type_root(x) == "cupy"), np)
