@@ -1,4 +1,4 @@
-"""Arrays of any framework behind one small holder: DLPack in, validation, results back in the caller's kind.
+"""Arrays of any framework behind one small holder: DLPack in, results back in the caller's kind, signatures.
 
 `wrap` picks a holder class by the array's top-level module (``numpy``, ``cupy``, ``torch``, ``jax``) and
 imports nothing else: a NumPy user never imports torch. A holder exposes what the kernel launch reads (shape,
@@ -7,7 +7,8 @@ a host NumPy view (zero copy on the CPU), a new array of the same framework and 
 NumPy result handed back in the caller's framework and device; GPU arrays also have a CuPy view of their
 memory and take CuPy results back, without a copy (DLPack), for the reference on the GPU. `XlaBuffer` holds
 what XLA lends a callback inside a JAX computation on a GPU (device memory and XLA's stream), so the kernels
-(and the reference, in CuPy) can run there.
+(and the reference, in CuPy) can run there. `signature` describes an array for a plan's key, `allocator`
+makes a GPU framework's outputs; `cusparseattn.call` validates a call's arrays.
 
 >>> import numpy as np
 >>> x = wrap(np.ones((1, 2, 3, 4), np.float32).transpose(0, 2, 1, 3), "q")

@@ -129,8 +129,32 @@ class Program:
     # ---- C ----
     def c_text(self, output: str, names: CNames) -> str:
         """The output as one fully parenthesised C expression over ``s, b, h, q, k`` and the slots."""
-        memo: dict[int, str] = {}
-        return self._c(self.outputs[output], names, memo)
+        return self.c_text_of(self.outputs[output], names)
+
+    def c_text_of(self, node: Expr, names: CNames) -> str:
+        """A node of this program's graph as C, its parameters and arrays in this program's slots."""
+        return self._c(node, names, {})
+
+    def partial_output(self, block_size: tuple[int, int]) -> Expr | None:
+        """What a mask decides inside the partial blocks of its layout of `block_size` blocks, where that is
+        less than the whole mask (else None): the terms of its top-level ``&&`` (or ``||``) that have one
+        value over every block are left out. Such a term reads q and k only as ``q // c`` and ``k // c``, c a
+        multiple of the block's side at the parameters' values (b, h, parameters and captured arrays read
+        at such indices are constant too); in a partial block each such conjunct is true, or the block would
+        be empty, and each such disjunct false, or the block would be full. The layout's classification of
+        blocks is exact (it evaluates the whole mask), so the kernels need only the rest there
+        (`cusparseattn.rules.TokenRule.c_partial`)."""
+        out = self.outputs["value"]
+        if out.kind != "bool" or out.op not in ("and", "or"):
+            return None
+        terms, memo = _terms(out, out.op), {}
+        kept = [t for t in terms if not _per_block(t, block_size, memo)]
+        if not kept or len(kept) == len(terms):
+            return None
+        joined = kept[0]
+        for term in kept[1:]:
+            joined = out.graph.node(out.op, "bool", (joined, term))
+        return joined
 
     def _c(self, x: Expr, names: CNames, memo: dict[int, str]) -> str:
         found = memo.get(id(x))
@@ -248,6 +272,33 @@ _NUMPY_LOGICAL = {
     "xor": ("logical_xor", "bitwise_xor"),
     "invert": ("logical_not", "invert"),
 }
+
+
+def _terms(x: Expr, op: str) -> list[Expr]:
+    """The operands of a chain of boolean `op` nodes, in order."""
+    if x.op == op and x.kind == "bool":
+        return [t for a in x.args for t in _terms(a, op)]
+    return [x]
+
+
+def _per_block(x: Expr, block_size: tuple[int, int], memo: dict) -> bool:
+    """Whether `x` has one value over each block of `block_size` (`Program.partial_output`)."""
+    found = memo.get(id(x))
+    if found is not None:
+        return found
+    if x.op == "var":
+        result = x.data in ("b", "h")
+    elif x.op in ("lit", "param"):
+        result = True
+    elif x.op == "floordiv" and x.kind == "int" and x.args[0].op == "var" and x.args[0].data in ("q", "k"):
+        side = block_size[0] if x.args[0].data == "q" else block_size[1]
+        divisor = x.args[1]
+        value = divisor.data if divisor.op == "lit" else divisor.data.value if divisor.op == "param" else None
+        result = isinstance(value, int) and value > 0 and value % side == 0
+    else:
+        result = all(_per_block(a, block_size, memo) for a in x.args)
+    memo[id(x)] = result
+    return result
 
 
 def _c_literal(value, kind: str) -> str:

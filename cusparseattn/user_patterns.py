@@ -5,6 +5,7 @@ a fixed block mask (`from_blocks`); `cusparseattn.patterns` names them with the 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Sequence
 
@@ -14,6 +15,7 @@ from . import pattern as base
 from .layout import BlockLayout
 from .mods import mask_rule
 from .pattern import Pattern, dense
+from .program import MASK_NAMES
 from .rules import MAX_ARRAYS, MAX_PARAMS, TokenRule, is_torch
 from .trace import untraced_mask
 from .traced import NotCompilable, TraceError
@@ -166,6 +168,10 @@ def from_mask(
                     f"given: pass {arg}=<number of {what}s> (with the default of 1, every {what} would share "
                     f"the blocks of {var} = 0)"
                 )
+        partial = rule.fn.program.partial_output(bs)
+        if partial is not None:
+            c_partial = rule.fn.program.c_text_of(partial, MASK_NAMES)
+            rule = dataclasses.replace(rule, c_partial=c_partial)
 
     def build(sq, sk):
         any_, all_ = _classify_blocks(rule, nbatch, nheads, sq, sk, bs)

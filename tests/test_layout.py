@@ -460,6 +460,8 @@ def test_flex_attention_with_to_flex(lay, device):
 def test_to_flex_without_its_tables_says_so(device):
     """FlexAttention's tracing cannot make the lookup tables: a mask moved to another device than to_flex's
     (or, on the CPU, one whose tables were dropped) gets an error that says what to do."""
+    # Dynamo's code cache of an earlier test's FlexAttention call would otherwise serve this one.
+    torch._dynamo.reset()
     lay = patterns.local(40, block=16).layout(128)
     block_mask = lay.to_flex().to(device)
     if device == "cpu":

@@ -699,3 +699,63 @@ def test_strided_blocks_kernels_compile_the_causal_term_when_aligned(tmp_path):
     assert window.rule.c_partial is not None
     assert_kernel_expr_holds(window, 1, 1, tmp_path)
     assert patterns.strided_blocks(3, block=16).layout(100, 120).rule.c_partial is None
+
+
+# ---- what a mask function decides inside partial blocks -------------------------------------------------
+def _users_strided(b, h, q, k):
+    """OpenAI's strided rule as a FlexAttention user writes it: patterns.strided_blocks(8) at block 128."""
+    return (q >= k) & (((q // 128) - (k // 128) < 8) | ((k // 128) % 8 == 7))
+
+
+def test_a_users_strided_rule_gets_the_built_in_patterns_partial_rule():
+    """The block-level terms of a mask function (q // 128, k // 128 at blocks of 128) decide whole blocks, so
+    the kernels evaluate only its causal term inside partial tiles, as they do the built-in pattern's: a band
+    of keys, in 32-bit arithmetic."""
+    lay = patterns.from_mask(_users_strided, block=128).layout(4096)
+    built_in = patterns.strided_blocks(8).layout(4096)
+    assert np.array_equal(lay.blocks, built_in.blocks) and np.array_equal(lay.partial, built_in.partial)
+    assert lay.rule.c_partial == "(q >= k)" and lay.rule.kernel_expr == "(q >= k)"
+    assert key_band(lay.rule.kernel_expr) == (None, "q") and lay.rule.narrow(4096)
+    # At blocks of 32, 128 is still a multiple of the side; 96 at blocks of 64 is not: q // 96 changes inside
+    # a block, and the whole rule decides there.
+    assert patterns.from_mask(_users_strided, block=32).layout(1024).rule.c_partial == "(q >= k)"
+    odd = patterns.from_mask(lambda b, h, q, k: (q >= k) & ((q // 96) - (k // 96) < 8), block=64)
+    assert odd.layout(1024).rule.c_partial is None
+
+
+PARTIAL_RULES = {
+    "strided": lambda c: lambda b, h, q, k: (q >= k) & (((q // c) - (k // c) < 3) | ((k // c) % 3 == 2)),
+    "tiled neighbourhood": lambda c: lambda b, h, q, k: (abs(q // c - k // c) <= 1) & (abs(q - k) < c + 7),
+    "global key blocks": lambda c: lambda b, h, q, k: ((k // c) % 4 == 0) | ((q - k < 50) & (k - q < 50)),
+    "per head": lambda c: lambda b, h, q, k: (q >= k) & ((q // c + h) % 2 == k // c % 2),
+    "all per block": lambda c: lambda b, h, q, k: q // c >= k // c,
+}
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    name=st.sampled_from(sorted(PARTIAL_RULES)),
+    block=st.sampled_from([16, 32, 64]),
+    multiple=st.sampled_from([1, 2, 3]),
+    seq=st.integers(100, 500),
+)
+def test_the_partial_rule_is_the_whole_rule_inside_partial_blocks(name, block, multiple, seq):
+    """Every token of every partial block: the rule the kernels compile there (`c_partial`: the traced
+    program without its per-block terms) gives the whole rule's answer."""
+    from cusparseattn.program import MASK_NAMES, Program
+
+    fn = PARTIAL_RULES[name](block * multiple)
+    lay = patterns.from_mask(fn, block=block, heads=2).layout(seq)
+    program = lay.rule.fn.program
+    partial = program.partial_output((block, block))
+    if name == "all per block":
+        assert partial is None and lay.rule.c_partial is None and not lay.partial.any()
+        return
+    assert partial is not None and lay.rule.c_partial == program.c_text_of(partial, MASK_NAMES)
+    assert lay.partial.any()
+    kept = Program({"value": partial}, "mask_mod", "partial")
+    for _, h, i, j in zip(*np.nonzero(lay.partial), strict=True):
+        q = np.arange(i * block, min((i + 1) * block, seq))[:, None]
+        k = np.arange(j * block, min((j + 1) * block, seq))[None, :]
+        env = dict(b=0, h=int(h), q=q, k=k)
+        assert np.array_equal(kept.evaluate("value", env), np.asarray(fn(0, int(h), q, k))), (name, h, i, j)
