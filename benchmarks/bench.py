@@ -31,8 +31,9 @@ medians (``bench.json`` keeps each timing), so that a drift of the GPU's clocks 
 when importable: FlexAttention (``torch.compile``, Triton backend), "flexfa4" FlexAttention with
 ``kernel_options={"BACKEND": "FLASH"}`` (its mask compiled into FlashAttention-4: needs ``flash_attn.cute``),
 SDPA with the flash backend (dense and causal only), FlashAttention-4 (``flash_attn.cute``: dense, causal,
-sliding window); on an H100/H200 also "portable", cusparseattn's mma.sync kernels beside its Hopper ones.
-bf16, B = 2, H = 16.
+sliding window); on an H100/H200 also "portable", cusparseattn's mma.sync kernels beside its Hopper ones;
+and "mask", cusparseattn given the case as a FlexAttention user writes it, the mask function that Flex gets
+(`token_rule`: every case but dense), in place of its built-in pattern. bf16, B = 2, H = 16.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ B, H = 2, 16
 CASES = ["dense", "causal", "local1024", "strided8"]
 PARTS = ["compile", "mods", "cases", "sweep", "memory", "train-memory"]
 # "portable": cusparseattn's mma.sync kernels on a Hopper GPU, beside its Hopper ones (CUSPARSEATTN_HOPPER=0).
-PEERS = ["cusparseattn", "portable", "flex", "flexfa4", "sdpa", "fa4"]
+PEERS = ["cusparseattn", "portable", "mask", "flex", "flexfa4", "sdpa", "fa4"]
 PASSES = {"fwd": "forward", "fwdbwd": "forward+backward"}
 BACKWARD_FLOPS = 3.5  # forward+backward FLOPs per forward FLOP: 2 matmuls forward, 5 backward
 # Bytes per token that one forward+backward must hold at H = 16, D = 128 (bf16): the saved output, its
@@ -209,7 +210,9 @@ def measure_case(case: str, q, k, v, backward: bool, names=PEERS, repeats: int =
     where = f"{case} S={seq} D={dim}"
     ours = functools.partial(ca.attention_forward, q, k, v, layout)
     portable = {"portable": ours} if "portable" in names and _on_hopper(q.device.index or 0) else {}
-    forward = {**({"cusparseattn": ours} if "cusparseattn" in names else {}), **portable, **others}
+    spelled = token_rule(case) if "mask" in names else None
+    mask = {} if spelled is None else {"mask": functools.partial(ca.attention_forward, q, k, v, spelled)}
+    forward = {**({"cusparseattn": ours} if "cusparseattn" in names else {}), **portable, **mask, **others}
 
     def forward_ms(name, fn):
         with torch.no_grad(), _kernels_of(name):
@@ -226,6 +229,8 @@ def measure_case(case: str, q, k, v, backward: bool, names=PEERS, repeats: int =
         # Forced: a backward that cannot run on the GPU raises rather than timing the host reference.
         ours = functools.partial(ca.attention, q, k, v, layout, backend="cuda")
         training = {**{name: ours for name in ("cusparseattn", "portable") if name in forward}, **others}
+        if "mask" in forward:
+            training["mask"] = functools.partial(ca.attention, q, k, v, spelled, backend="cuda")
     gen = torch.Generator(device=q.device)
     grads = {}
 
