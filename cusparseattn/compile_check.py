@@ -154,9 +154,10 @@ def check(archs: list[str], specs=None) -> int:
             problems.append(f"register spills {spills}")
         # ptxas waits for each warpgroup MMA where the code around one would read its registers in flight.
         problems += re.findall(r"\(C75\d\d\).*", res.stderr)
-        if lib is not None and last:  # NVRTC's front end is the same for every arch: once per spec
+        # NVRTC's front end is the same for every arch: once per spec, to PTX (nvcc's ptxas ran above).
+        if lib is not None and last:
             try:
-                nvrtc_compile(lib, spec.source(), arch, include)
+                nvrtc_compile(lib, spec.source(), arch.replace("sm_", "compute_"), include)
             except RuntimeError as err:
                 problems.append(f"NVRTC: {err}")
         line = (
