@@ -5,14 +5,13 @@ described cheaply so that an unchanged function with unchanged captures finds it
 
 from __future__ import annotations
 
-import collections
-import threading
 import types
 from collections.abc import Callable
 
 import numpy as np
 
 from .graph import global_names, holds_functions, traced_from
+from .recent import Recent
 from .traced import LIBRARIES, CapturedArray, is_array, is_number, type_root
 
 
@@ -88,8 +87,7 @@ class EnvironmentCache:
 
     def __init__(self, size: int = 16):
         self.size = size
-        self._entries: collections.OrderedDict = collections.OrderedDict()
-        self._lock = threading.Lock()
+        self._entries = Recent(size)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -105,20 +103,13 @@ class EnvironmentCache:
                 return make()
             env, held = None, []
         try:
-            with self._lock:
-                cached = self._entries.get(key)
+            cached = self._entries.get(key)
         except TypeError:  # an unhashable callable
             return make()
         if cached is not None and cached[0] == env:
-            with self._lock:
-                self._entries.move_to_end(key)
             return cached[2]
         value = make()
-        with self._lock:
-            self._entries[key] = (env, held, value)  # held: what env names by identity, so no id is reused
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.size:
-                self._entries.popitem(last=False)
+        self._entries.put(key, (env, held, value))  # held: what env names by identity, so no id is reused
         return value
 
 

@@ -6,13 +6,12 @@ share: argument checks, the classification of blocks into full and partial, C te
 from __future__ import annotations
 
 import operator
-import threading
-from collections import OrderedDict
 from collections.abc import Callable
 
 import numpy as np
 
 from .layout import BlockLayout, check_block
+from .recent import Recent
 from .rules import TokenRule, is_torch
 
 _CACHE_SIZE = 64  # layouts kept per pattern (distinct length pairs)
@@ -35,24 +34,16 @@ class Pattern:
         self.name = name
         self.block_size = block_pair(block)
         self._build = build
-        self._cache: OrderedDict[tuple[int, int], BlockLayout] = OrderedDict()
-        self._lock = threading.Lock()
+        self._cache = Recent(_CACHE_SIZE)
 
     def layout(self, seq_q: int, seq_k: int | None = None) -> BlockLayout:
         """The layout for ``seq_q`` queries and ``seq_k`` keys (default ``seq_q``)."""
         sq = _length("seq_q", seq_q)
         key = (sq, sq if seq_k is None else _length("seq_k", seq_k))
-        with self._lock:
-            lay = self._cache.get(key)
-            if lay is not None:
-                self._cache.move_to_end(key)
-                return lay
-        lay = self._build(*key)
-        with self._lock:  # a concurrent build of the same lengths gives way to the first one stored
-            lay = self._cache.setdefault(key, lay)
-            self._cache.move_to_end(key)
-            while len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
+        lay = self._cache.get(key)
+        if lay is None:
+            # a concurrent build of the same lengths gives way to the first one stored
+            lay = self._cache.put(key, self._build(*key), first=True)
         return lay
 
     def token_rule(self, seq_q: int, seq_k: int | None = None) -> TokenRule:

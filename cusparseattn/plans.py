@@ -27,7 +27,6 @@ kept key is reused; the last `KEPT` plans are kept.
 
 from __future__ import annotations
 
-import collections
 import threading
 
 from . import backends, call, env, mods
@@ -35,11 +34,12 @@ from .arrays import allocator, known, signature, wrap
 from .call import Inputs
 from .layout import BlockLayout
 from .patterns import Pattern
+from .recent import Recent
 
 KEPT = 64
 
-_plans: collections.OrderedDict = collections.OrderedDict()
-_lock = threading.Lock()
+_plans = Recent(KEPT)
+_lock = threading.Lock()  # for the count of builds
 _built = 0
 
 
@@ -56,24 +56,17 @@ def _count() -> None:
 
 def kept(key: tuple, make):
     """The plan kept under ``key``, or ``make()``'s, kept (the last `KEPT`) and counted in `builds`."""
-    with _lock:
-        plan = _plans.get(key)
-        if plan is not None:
-            _plans.move_to_end(key)
-            return plan
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
     plan = make()
     _count()
-    with _lock:
-        _plans[key] = plan
-        while len(_plans) > KEPT:
-            _plans.popitem(last=False)
-    return plan
+    return _plans.put(key, plan)
 
 
 def clear() -> None:
     """Forget every kept plan (their layouts' device tables go with the layouts)."""
-    with _lock:
-        _plans.clear()
+    _plans.clear()
 
 
 _SCALES = (type(None), float, int)

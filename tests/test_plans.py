@@ -149,7 +149,7 @@ def test_jitted_jax_validates_once(counted):
 
 
 def test_kept_plans_are_bounded(counted, monkeypatch):
-    monkeypatch.setattr(plans, "KEPT", 3)
+    monkeypatch.setattr(plans._plans, "size", 3)
     q, k, v, _ = random_arrays()
     for scale in (0.1, 0.2, 0.3, 0.4):
         ca.attention_forward(q, k, v, scale=scale)
