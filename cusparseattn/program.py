@@ -188,6 +188,9 @@ class Program:
             text = f"(!{a[0]})" if kind == "bool" else f"(~{a[0]})"
         elif op == "neg":
             text = f"(-{a[0]})"
+        elif op in ("floordiv", "mod") and kind == "int" and _non_negative_by_positive(x.args, memo):
+            # C's own division on a value >= 0 and a divisor > 0: floor's answer, and narrowable to 32 bits
+            text = f"({a[0]} {'/' if op == 'floordiv' else '%'} {a[1]})"
         elif op == "floordiv":
             text = f"csa::floordiv({a[0]}, {a[1]})" if kind == "int" else f"floorf(({a[0]} / {a[1]}))"
         elif op == "mod" and kind == "int":
@@ -272,6 +275,51 @@ _NUMPY_LOGICAL = {
     "xor": ("logical_xor", "bitwise_xor"),
     "invert": ("logical_not", "invert"),
 }
+
+
+def _non_negative_by_positive(args: tuple, memo: dict) -> bool:
+    """Whether a division's dividend is known >= 0 and its divisor > 0 (`_sign`; `memo` is the C printer's,
+    the signs keyed apart from its texts)."""
+    dividend, divisor = (_sign(a, memo) for a in args)
+    return dividend >= 1 and divisor == 2
+
+
+def _sign(x: Expr, memo: dict) -> int:
+    """What is known of an integer node's sign wherever the kernels evaluate it (b, h, q, k >= 0; parameters
+    at their values): 2 where it is > 0, 1 where >= 0, 0 where nothing is known. A parameter's value thus
+    chooses the C text's division, so a value of the other sign gives another text (and another kernel),
+    never a wrong one; a captured array's values, which may change under the same text, count as unknown."""
+    key = ("sign", id(x))
+    found = memo.get(key)
+    if found is not None:
+        return found
+    signs = [_sign(a, memo) for a in x.args] if x.op in _SIGNED else []
+    if x.kind != "int":
+        sign = 0
+    elif x.op == "var":
+        sign = 1
+    elif x.op in ("lit", "param"):
+        value = x.data if x.op == "lit" else x.data.value
+        sign = 2 if value > 0 else 1 if value == 0 else 0
+    elif x.op == "add":
+        sign = 0 if 0 in signs else max(signs)
+    elif x.op == "mul":
+        sign = min(signs)
+    elif x.op == "maximum":
+        sign = max(signs)
+    elif x.op == "minimum":
+        sign = min(signs)
+    elif x.op == "floordiv":
+        sign = 1 if signs[0] and signs[1] == 2 else 0
+    elif x.op == "mod":  # floor's remainder of a divisor > 0 lies in [0, divisor)
+        sign = 1 if signs[1] == 2 else 0
+    else:
+        sign = 1 if x.op == "abs" else 0
+    memo[key] = sign
+    return sign
+
+
+_SIGNED = {"add", "mul", "maximum", "minimum", "floordiv", "mod"}
 
 
 def _terms(x: Expr, op: str) -> list[Expr]:

@@ -658,3 +658,22 @@ def test_untraceable_from_mask_keeps_numpy_rules():
     assert lay.rule.c_expr is None and lay == patterns.local(40, block=16).layout(100)
     floats = patterns.from_mask(lambda b, h, q, k: q / 2 >= k / 2, block=16).layout(64)
     assert floats.rule.c_expr is None and floats == patterns.causal(block=16).layout(64)
+
+
+def test_division_of_values_known_non_negative_is_cs_own():
+    """``//`` and ``%`` of a value >= 0 by one > 0 (indices, sums of them, positive parameters) print as C's
+    ``/`` and ``%``, which agree with floor's there and keep the rule narrowable to 32 bits; where a sign is
+    unknown (a difference, a negative parameter) they stay floor's ``csa::floordiv`` / ``csa::floormod``."""
+    from cusparseattn.rules import narrowable
+
+    def c(fn):
+        return trace.trace(fn, "mask_mod").c_text("value", MASK_NAMES)
+
+    assert c(lambda b, h, q, k: q // 64 >= k // 64) == "((q / P0) >= (k / P1))"
+    assert c(lambda b, h, q, k: (q + 3) % 8 < (k % 8) + h) == "(((q + P0) % P1) < ((k % P2) + h))"
+    assert narrowable(c(lambda b, h, q, k: (q // 128 - k // 128 < 8) | (k // 128 % 8 == 7)))
+    assert c(lambda b, h, q, k: (q - k) // 4 == 0) == "(csa::floordiv((q - k), P0) == P1)"
+    assert c(lambda b, h, q, k: q // -4 == k) == "(csa::floordiv(q, P0) == k)"
+    assert c(lambda b, h, q, k: (q - k) % 4 == 0) == "(csa::floormod((q - k), P0) == P1)"
+    # A remainder of a divisor > 0 is >= 0, whatever its dividend: dividing it again is C's.
+    assert c(lambda b, h, q, k: (q - k) % 8 // 2 == 1) == "((csa::floormod((q - k), P0) / P1) == P2)"
