@@ -63,14 +63,18 @@ __all__ = [
 
 
 # ---- entry points ------------------------------------------------------------------------------------------
-def mask_rule(fn: Callable, *, name: str | None = None) -> TokenRule:
+def mask_rule(
+    fn: Callable, *, name: str | None = None, block_size: tuple[int, int] | None = None
+) -> TokenRule:
     """Trace a ``mask_mod(b, h, q_idx, kv_idx) -> bool`` into a `TokenRule` the kernels compile.
 
     The rule's ``c_expr`` is over ``b, h, q, k`` (``long long``), its integer parameters ``P0..P7``
     (``params``) and int32 arrays ``A0..A3`` (``arrays``); ``fn`` evaluates the trace with NumPy (the user's
     own function on torch indices). Raises `cusparseattn.trace.TraceError` (a TypeError) when ``fn`` cannot
     be traced, and a ValueError when the kernels cannot take it (floats, more than 8 parameters or 4 arrays).
-    Most users pass the function to `cusparseattn.patterns.from_mask` instead, which calls this.
+    Most users pass the function to `cusparseattn.patterns.from_mask` instead, which calls this. With
+    ``block_size``, for a layout of those blocks that classifies them exactly, the rule also gets what it
+    decides inside partial blocks (``c_partial``: `cusparseattn.program.Program.partial_output`).
 
     >>> rule = mask_rule(sliding_window(128))
     >>> rule.c_expr, rule.params
@@ -79,12 +83,14 @@ def mask_rule(fn: Callable, *, name: str | None = None) -> TokenRule:
     if isinstance(fn, TokenRule):
         return fn
     program = trace(fn, "mask_mod", name).check_compilable()
+    partial = None if block_size is None else program.partial_output(block_size)
     return TokenRule(
         program.name,
         TracedMask(program, fn),
         c_expr=program.c_text("value", MASK_NAMES),
         params=program.int_params,
         arrays=program.arrays,
+        c_partial=None if partial is None else program.c_text_of(partial, MASK_NAMES),
     )
 
 

@@ -338,15 +338,32 @@ def _per_block(x: Expr, block_size: tuple[int, int], memo: dict) -> bool:
         result = x.data in ("b", "h")
     elif x.op in ("lit", "param"):
         result = True
-    elif x.op == "floordiv" and x.kind == "int" and x.args[0].op == "var" and x.args[0].data in ("q", "k"):
-        side = block_size[0] if x.args[0].data == "q" else block_size[1]
-        divisor = x.args[1]
-        value = divisor.data if divisor.op == "lit" else divisor.data.value if divisor.op == "param" else None
+    elif x.op == "floordiv" and x.kind == "int" and _aligned(x.args[0], block_size) is not None:
+        side = _aligned(x.args[0], block_size)
+        value = _value(x.args[1])
         result = isinstance(value, int) and value > 0 and value % side == 0
     else:
         result = all(_per_block(a, block_size, memo) for a in x.args)
     memo[id(x)] = result
     return result
+
+
+def _value(x: Expr):
+    """A literal's or a parameter's value (None for other nodes)."""
+    return x.data if x.op == "lit" else x.data.value if x.op == "param" else None
+
+
+def _aligned(x: Expr, block_size: tuple[int, int]) -> int | None:
+    """The block's side along q or k where `x` is q or k plus multiples of it (so that ``x // c`` is constant
+    over a block for c a multiple of the side), else None."""
+    if x.op == "var" and x.data in ("q", "k"):
+        return block_size[0] if x.data == "q" else block_size[1]
+    if x.op == "add":
+        for index, offset in ((x.args[0], x.args[1]), (x.args[1], x.args[0])):
+            side, value = _aligned(index, block_size), _value(offset)
+            if side is not None and isinstance(value, int) and value % side == 0:
+                return side
+    return None
 
 
 def _c_literal(value, kind: str) -> str:

@@ -5,7 +5,6 @@ a fixed block mask (`from_blocks`); `cusparseattn.patterns` names them with the 
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Callable, Sequence
 
@@ -15,7 +14,6 @@ from . import pattern as base
 from .layout import BlockLayout
 from .mods import mask_rule
 from .pattern import Pattern, dense
-from .program import MASK_NAMES
 from .rules import MAX_ARRAYS, MAX_PARAMS, TokenRule, is_torch
 from .trace import untraced_mask
 from .traced import NotCompilable, TraceError
@@ -154,7 +152,7 @@ def from_mask(
     nbatch = 1 if batch is None else base.positive("batch", batch)
     nheads = 1 if heads is None else base.positive("heads", heads)
     label = name or getattr(fn, "__name__", "mask")
-    rule = fn if isinstance(fn, TokenRule) else _traced_rule(fn, label)
+    rule = fn if isinstance(fn, TokenRule) else _traced_rule(fn, label, bs)
     if isinstance(rule, Exception):
         rule = untraced_mask(fn, label, rule)
     elif not isinstance(fn, TokenRule):
@@ -168,10 +166,6 @@ def from_mask(
                     f"given: pass {arg}=<number of {what}s> (with the default of 1, every {what} would share "
                     f"the blocks of {var} = 0)"
                 )
-        partial = rule.fn.program.partial_output(bs)
-        if partial is not None:
-            c_partial = rule.fn.program.c_text_of(partial, MASK_NAMES)
-            rule = dataclasses.replace(rule, c_partial=c_partial)
 
     def build(sq, sk):
         any_, all_ = _classify_blocks(rule, nbatch, nheads, sq, sk, bs)
@@ -180,10 +174,11 @@ def from_mask(
     return Pattern(f"from_mask({label}, block={block})", build, block=bs)
 
 
-def _traced_rule(fn, label: str) -> TokenRule | Exception:
-    """``fn`` traced into a rule with a C expression, or the reason it cannot be traced or compiled."""
+def _traced_rule(fn, label: str, block_size: tuple[int, int]) -> TokenRule | Exception:
+    """``fn`` traced into a rule with a C expression (and what it decides in the partial blocks of its
+    layouts, whose blocks `_classify_blocks` classifies exactly), or why it cannot be traced or compiled."""
     try:
-        return mask_rule(fn, name=label)
+        return mask_rule(fn, name=label, block_size=block_size)
     except (TraceError, NotCompilable) as err:
         return err
 
