@@ -31,6 +31,7 @@ import numpy as np
 
 from . import pattern as base
 from .block_patterns import bigbird, deepspeed_fixed, fixed, longformer, variable
+from .mods import mask_rule
 from .pattern import Pattern, dense
 from .rules import TokenRule
 from .user_patterns import from_blocks, from_mask, head_mix
@@ -71,7 +72,7 @@ def causal(*, block=128) -> Pattern:
     def build(sq, sk):
         off = sk - sq
         q0, q1, k0, k1 = base.grid(sq, sk, bs)
-        rule = TokenRule("causal", lambda b, h, q, k: k <= q + off, c_expr="k <= q + P0", params=(off,))
+        rule = mask_rule(lambda b, h, q, k: k <= q + off, name="causal", block_size=bs)
         return base.classified(k0 <= q1 + off, k1 <= q0 + off, rule, bs, sq, sk, exact=True)
 
     return Pattern(f"causal(block={block})", build, block=bs)
@@ -95,22 +96,12 @@ def local(window: int, causal: bool = True, *, block=128) -> Pattern:
         if causal:
             off = sk - sq
             dmin, dmax = q0 + off - k1, q1 + off - k0
-            rule = TokenRule(
-                f"local({w})",
-                lambda b, h, q, k: (q + off - k >= 0) & (q + off - k < w),
-                c_expr="q + P0 - k >= 0 && q + P0 - k < P1",
-                params=(off, w),
-            )
+            rule = mask_rule(lambda b, h, q, k: (k <= q + off) & (q + off - k < w), name=f"local({w})")
             return base.classified(
                 (dmax >= 0) & (dmin < w), (dmin >= 0) & (dmax < w), rule, bs, sq, sk, exact=True
             )
         dmin, dmax = q0 - k1, q1 - k0
-        rule = TokenRule(
-            f"local({w}, two-sided)",
-            lambda b, h, q, k: (q - k < w) & (k - q < w),
-            c_expr="q - k < P0 && q - k > -P0",  # one difference for both bounds
-            params=(w,),
-        )
+        rule = mask_rule(lambda b, h, q, k: (q - k < w) & (k - q < w), name=f"local({w}, two-sided)")
         return base.classified(
             (dmin < w) & (dmax > -w), (dmin > -w) & (dmax < w), rule, bs, sq, sk, exact=True
         )
@@ -210,15 +201,12 @@ def strided_blocks(stride_blocks: int, *, block=128) -> Pattern:
         near_any = np.maximum(a0, k0) <= np.minimum(a1, (kb + s) * bb - 1)
         any_ = np.where(column, a1 >= k0, near_any)
         all_ = (k1 <= a0) & (column | (a1 // bb - kb < s))
-        # With the offset a multiple of the block, the partial blocks are those that the diagonal crosses, and
-        # their block term holds: the kernels compile the causal term alone (64-bit divisions are long
-        # subroutines, whose code alone slows the kernel).
-        rule = TokenRule(
-            f"strided_blocks({s})",
+        # With the offset a multiple of the block, the block term holds in the partial blocks (those that the
+        # diagonal crosses): the kernels compile the causal term alone there (c_partial).
+        rule = mask_rule(
             lambda b, h, q, k: (k <= q + off) & (((q + off) // bb - k // bb < s) | ((k // bb) % s == s - 1)),
-            c_expr="k <= q + P0 && ((q + P0) / P1 - k / P1 < P2 || (k / P1) % P2 == P2 - 1)",
-            params=(off, bb, s),
-            c_partial="k <= q + P0" if off % bb == 0 else None,
+            name=f"strided_blocks({s})",
+            block_size=(bb, bb),
         )
         return base.classified(any_, all_, rule, (bb, bb), sq, sk, exact=True)
 

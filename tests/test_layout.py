@@ -138,7 +138,7 @@ def test_algebra_joins_c_expressions():
         patterns.causal(block=32).layout(300),
     )
     both = local & causal
-    assert both.rule.c_expr == "(q - k < P0 && q - k > -P0) && (k <= q + P1)"
+    assert both.rule.c_expr == "((((q - k) < P0) && ((k - q) < P0))) && ((k <= (q + P1)))"
     assert both.rule.params == (64, 0) and both._exact_rule
     doc = patterns.document([0] * 150 + [1] * 150, block=32).layout(300)
     mixed = doc | causal
