@@ -418,7 +418,7 @@ def alibi(slopes) -> Callable:
 
     >>> sm = score_mod(alibi(alibi_slopes(8)))
     >>> sm.c_expr
-    '(s + ((((const float*)SA0)[min(max(h, 0LL), (SI0 - 1LL))]) * ((float)((k - q)))))'
+    '(s + ((((const float*)SA0)[min(h, (SI0 - 1LL))]) * ((float)((k - q)))))'
     """
     table = captured(slopes)
     if table.ndim != 1:

@@ -51,7 +51,7 @@ class Pattern:
 
         >>> from cusparseattn.patterns import causal
         >>> causal().token_rule(4).c_expr
-        'k <= q + P0'
+        '(k <= (q + P0))'
         """
         lay = self.layout(seq_q, seq_k)
         if lay.rule is not None and lay._exact_rule:

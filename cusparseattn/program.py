@@ -160,7 +160,13 @@ class Program:
         found = memo.get(id(x))
         if found is not None:
             return found
-        a = [self._c(arg, names, memo) for arg in x.args]
+        if x.op == "and" and x.kind == "bool":
+            # Each operand's value counts only where the other one holds: the other's facts hold there (C's
+            # / and % give some value elsewhere, and && drops it).
+            left, right = x.args
+            a = [self._c(left, names, _assuming(right, memo)), self._c(right, names, _assuming(left, memo))]
+        else:
+            a = [self._c(arg, names, memo) for arg in x.args]
         op, kind = x.op, x.kind
         if op == "var":
             text = x.data
@@ -173,8 +179,9 @@ class Program:
             ref = x.data
             shape = [self._c(d, names, memo) for d in ref.shape]
             flat = None
-            for i, n in zip(a, shape, strict=True):
-                clamped = f"min(max({i}, 0LL), ({n} - 1LL))"
+            for i, n, index in zip(a, shape, x.args, strict=True):
+                low = i if _sign(index, memo) else f"max({i}, 0LL)"  # an index known >= 0 needs no floor
+                clamped = f"min({low}, ({n} - 1LL))"
                 flat = clamped if flat is None else f"(({flat} * {n}) + {clamped})"
             form = names.array_int if kind == "int" else names.array_float
             text = form.format(slot=self._slots[id(ref)], index=flat)
@@ -320,6 +327,26 @@ def _sign(x: Expr, memo: dict) -> int:
 
 
 _SIGNED = {"add", "mul", "maximum", "minimum", "floordiv", "mod"}
+
+
+# What a comparison that holds tells of a difference of its sides: (larger, smaller, its sign then).
+_FACTS = {"le": (1, 0, 1), "lt": (1, 0, 2), "ge": (0, 1, 1), "gt": (0, 1, 2)}
+
+
+def _assuming(guard: Expr, memo: dict) -> dict:
+    """The C printer's memo for an operand that counts only where `guard` holds: the signs of the differences
+    that the guard's comparisons (its top-level ``&&`` terms, integers) bound, where none is known yet; a
+    copy, so the facts stay inside that operand."""
+    facts = {}
+    for term in _terms(guard, "and"):
+        fact = _FACTS.get(term.op)
+        if fact is None or term.args[0].kind != "int" or term.args[1].kind != "int":
+            continue
+        larger, smaller, sign = term.args[fact[0]], term.args[fact[1]], fact[2]
+        difference = guard.graph.node("sub", "int", (larger, smaller))
+        if _sign(difference, memo) < sign:
+            facts[("sign", id(difference))] = sign
+    return {**memo, **facts} if facts else memo
 
 
 def _terms(x: Expr, op: str) -> list[Expr]:

@@ -677,3 +677,24 @@ def test_division_of_values_known_non_negative_is_cs_own():
     assert c(lambda b, h, q, k: (q - k) % 4 == 0) == "(csa::floormod((q - k), P0) == P1)"
     # A remainder of a divisor > 0 is >= 0, whatever its dividend: dividing it again is C's.
     assert c(lambda b, h, q, k: (q - k) % 8 // 2 == 1) == "((csa::floormod((q - k), P0) / P1) == P2)"
+
+
+def test_a_comparison_anded_with_a_division_bounds_its_sign():
+    """In ``a & b`` each operand counts only where the other holds, so a comparison there bounds a difference:
+    ``(q - k) % d`` beside ``k <= q`` is C's ``%`` (a dilated causal window, narrowable to 32 bits). Beside
+    ``|``, or outside the ``&``, nothing is known."""
+    from cusparseattn.rules import narrowable
+
+    def c(fn):
+        return trace.trace(fn, "mask_mod").c_text("value", MASK_NAMES)
+
+    dilated = c(lambda b, h, q, k: ((q - k) % 3 == 0) & (k <= q))
+    assert dilated == "((((q - k) % P0) == P1) && (k <= q))" and narrowable(dilated)
+    assert (
+        c(lambda b, h, q, k: (k < q) & ((q - k - 1) // 2 == 0))
+        == "((k < q) && (csa::floordiv(((q - k) - P0), P1) == P2))"
+    )
+    assert (
+        c(lambda b, h, q, k: (k <= q) | ((q - k) % 3 == 0))
+        == "((k <= q) || (csa::floormod((q - k), P0) == P1))"
+    )
