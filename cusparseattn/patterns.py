@@ -127,11 +127,9 @@ def streaming(window: int, sinks: int, *, block=128) -> Pattern:
         any_ = (dmax >= 0) & ((k0 < s) | (dmin < w))
         # Every pair attends if causal holds throughout and the keys past the sinks are all in the window.
         all_ = (dmin >= 0) & ((k1 < s) | (q1 + off - np.maximum(k0, s) < w))
-        rule = TokenRule(
-            f"streaming({w}, sinks={s})",
+        rule = mask_rule(
             lambda b, h, q, k: (k <= q + off) & ((k < s) | (q + off - k < w)),
-            c_expr="k <= q + P0 && (k < P2 || q + P0 - k < P1)",
-            params=(off, w, s),
+            name=f"streaming({w}, sinks={s})",
         )
         return base.classified(any_, all_, rule, bs, sq, sk, exact=True)
 
