@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import gc
 import io
 import json
@@ -412,28 +413,25 @@ class Floor:
 
     def __init__(self, ca):
         self.backends = ca.backends  # the paths' check that cusparseattn would run the CUDA kernels
-        self._torch = self._jax = None
 
     def attention(self, q, k, v, layout):
         kind = type(q).__module__.split(".")[0]
         if kind == "torch":
-            return self._torch_attention()(q, k, v)
+            return self._torch_attention(q, k, v)
         if kind == "cupy":
             import cupy
 
             cupy.empty(q.shape[:3], cupy.float32)  # the lse, which cusparseattn makes and drops here too
             return cupy.empty_like(q)
-        return self._jax_attention()(q, k, v)
+        return self._jax_attention(q, k, v)
 
+    @functools.cached_property
     def _torch_attention(self):
-        if self._torch is None:
-            self._torch = _torch_floor()
-        return self._torch
+        return _torch_floor()
 
+    @functools.cached_property
     def _jax_attention(self):
-        if self._jax is None:
-            self._jax = _jax_floor()
-        return self._jax
+        return _jax_floor()
 
 
 def _torch_floor():
@@ -476,13 +474,13 @@ def _torch_floor():
         return ops.backward(dout, *ctx.saved_tensors)
 
     torch.library.register_autograd("paths_bench_floor::forward", grads, setup_context=setup_context, lib=lib)
-    Floor.torch_library = lib  # the operators live as long as the process
 
     def attention(q, k, v):
         if torch.compiler.is_compiling():
             return ops.forward(q, k, v)[0]
         return Eager.apply(q, k, v)
 
+    attention.library = lib  # the operators live as long as the library object does
     return attention
 
 

@@ -306,7 +306,7 @@ def _sign(x: Expr, memo: dict) -> int:
     elif x.op == "var":
         sign = 1
     elif x.op in ("lit", "param"):
-        value = x.data if x.op == "lit" else x.data.value
+        value = _value(x)
         sign = 2 if value > 0 else 1 if value == 0 else 0
     elif x.op == "add":
         sign = 0 if 0 in signs else max(signs)
@@ -365,8 +365,7 @@ def _per_block(x: Expr, block_size: tuple[int, int], memo: dict) -> bool:
         result = x.data in ("b", "h")
     elif x.op in ("lit", "param"):
         result = True
-    elif x.op == "floordiv" and x.kind == "int" and _aligned(x.args[0], block_size) is not None:
-        side = _aligned(x.args[0], block_size)
+    elif x.op == "floordiv" and x.kind == "int" and (side := _aligned(x.args[0], block_size)) is not None:
         value = _value(x.args[1])
         result = isinstance(value, int) and value > 0 and value % side == 0
     else:

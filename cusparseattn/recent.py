@@ -16,6 +16,8 @@ from __future__ import annotations
 import collections
 import threading
 
+_MISSING = object()
+
 
 class Recent:
     """The last `size` values stored, by key (`get`, `put`), the least recently used dropped first."""
@@ -31,9 +33,10 @@ class Recent:
     def get(self, key, default=None):
         """The value stored under `key` (now the most recently used), or `default`."""
         with self._lock:
-            value = self._entries.get(key, default)
-            if key in self._entries:
-                self._entries.move_to_end(key)
+            value = self._entries.get(key, _MISSING)
+            if value is _MISSING:
+                return default
+            self._entries.move_to_end(key)
             return value
 
     def put(self, key, value, *, first: bool = False):
