@@ -77,7 +77,7 @@ class Program:
                 return
             seen.add(id(x))
             self.kinds.add(x.kind)
-            for a in x.args:
+            for a in x.args[:1] if _constant_divisor(x) else x.args:
                 walk(a)
             if x.op == "var":
                 self.variables.add(x.data)
@@ -165,6 +165,12 @@ class Program:
             # / and % give some value elsewhere, and && drops it).
             left, right = x.args
             a = [self._c(left, names, _assuming(right, memo)), self._c(right, names, _assuming(left, memo))]
+        elif x.op == "where":  # the first choice counts only where the condition holds
+            cond, first, second = x.args
+            a = [self._c(cond, names, memo), self._c(first, names, _assuming(cond, memo))]
+            a.append(self._c(second, names, memo))
+        elif _constant_divisor(x):
+            a = [self._c(x.args[0], names, memo), str(_value(x.args[1]))]
         else:
             a = [self._c(arg, names, memo) for arg in x.args]
         op, kind = x.op, x.kind
@@ -372,6 +378,17 @@ def _per_block(x: Expr, block_size: tuple[int, int], memo: dict) -> bool:
         result = all(_per_block(a, block_size, memo) for a in x.args)
     memo[id(x)] = result
     return result
+
+
+def _constant_divisor(x: Expr) -> bool:
+    """Whether `x` divides integers by a known positive value (a literal, or a parameter at its value). The C
+    text spells that divisor as a literal: the compiler turns a division by a constant into a multiply and a
+    shift, where a division by a run-time value takes a long sequence (a call, in 64 bits) at every element.
+    Another divisor thus compiles another kernel, as a parameter's sign does (`_sign`)."""
+    if x.op not in ("floordiv", "mod", "fmod") or x.kind != "int":
+        return False
+    value = _value(x.args[1])
+    return value is not None and value > 0
 
 
 def _value(x: Expr):

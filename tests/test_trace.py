@@ -602,7 +602,7 @@ def test_variables_floor_semantics_and_booleans():
     d = np.arange(-9, 10)
     got = program.evaluate("value", dict(b=0, h=np.array([[0], [2]]), q=d, k=0))
     assert np.array_equal(got, np.array([[x // 4 == -1 for x in d], [False] * d.size]))
-    assert program.c_text("value", MASK_NAMES) == "((csa::floordiv((q - k), P0) == P1) && (!(h == P2)))"
+    assert program.c_text("value", MASK_NAMES) == "((csa::floordiv((q - k), 4) == P0) && (!(h == P1)))"
 
 
 def test_docstring_examples():
@@ -663,20 +663,21 @@ def test_untraceable_from_mask_keeps_numpy_rules():
 def test_division_of_values_known_non_negative_is_cs_own():
     """``//`` and ``%`` of a value >= 0 by one > 0 (indices, sums of them, positive parameters) print as C's
     ``/`` and ``%``, which agree with floor's there and keep the rule narrowable to 32 bits; where a sign is
-    unknown (a difference, a negative parameter) they stay floor's ``csa::floordiv`` / ``csa::floormod``."""
+    unknown (a difference, a negative parameter) they stay floor's ``csa::floordiv`` / ``csa::floormod``. A
+    divisor known > 0 is spelled as a literal (a multiply and a shift, not a division at every element)."""
     from cusparseattn.rules import narrowable
 
     def c(fn):
         return trace.trace(fn, "mask_mod").c_text("value", MASK_NAMES)
 
-    assert c(lambda b, h, q, k: q // 64 >= k // 64) == "((q / P0) >= (k / P1))"
-    assert c(lambda b, h, q, k: (q + 3) % 8 < (k % 8) + h) == "(((q + P0) % P1) < ((k % P2) + h))"
+    assert c(lambda b, h, q, k: q // 64 >= k // 64) == "((q / 64) >= (k / 64))"
+    assert c(lambda b, h, q, k: (q + 3) % 8 < (k % 8) + h) == "(((q + P0) % 8) < ((k % 8) + h))"
     assert narrowable(c(lambda b, h, q, k: (q // 128 - k // 128 < 8) | (k // 128 % 8 == 7)))
-    assert c(lambda b, h, q, k: (q - k) // 4 == 0) == "(csa::floordiv((q - k), P0) == P1)"
+    assert c(lambda b, h, q, k: (q - k) // 4 == 0) == "(csa::floordiv((q - k), 4) == P0)"
     assert c(lambda b, h, q, k: q // -4 == k) == "(csa::floordiv(q, P0) == k)"
-    assert c(lambda b, h, q, k: (q - k) % 4 == 0) == "(csa::floormod((q - k), P0) == P1)"
+    assert c(lambda b, h, q, k: (q - k) % 4 == 0) == "(csa::floormod((q - k), 4) == P0)"
     # A remainder of a divisor > 0 is >= 0, whatever its dividend: dividing it again is C's.
-    assert c(lambda b, h, q, k: (q - k) % 8 // 2 == 1) == "((csa::floormod((q - k), P0) / P1) == P2)"
+    assert c(lambda b, h, q, k: (q - k) % 8 // 2 == 1) == "((csa::floormod((q - k), 8) / 2) == P0)"
 
 
 def test_a_comparison_anded_with_a_division_bounds_its_sign():
@@ -689,12 +690,25 @@ def test_a_comparison_anded_with_a_division_bounds_its_sign():
         return trace.trace(fn, "mask_mod").c_text("value", MASK_NAMES)
 
     dilated = c(lambda b, h, q, k: ((q - k) % 3 == 0) & (k <= q))
-    assert dilated == "((((q - k) % P0) == P1) && (k <= q))" and narrowable(dilated)
+    assert dilated == "((((q - k) % 3) == P0) && (k <= q))" and narrowable(dilated)
     assert (
         c(lambda b, h, q, k: (k < q) & ((q - k - 1) // 2 == 0))
-        == "((k < q) && (csa::floordiv(((q - k) - P0), P1) == P2))"
+        == "((k < q) && (csa::floordiv(((q - k) - P0), 2) == P1))"
     )
     assert (
         c(lambda b, h, q, k: (k <= q) | ((q - k) % 3 == 0))
-        == "((k <= q) || (csa::floormod((q - k), P0) == P1))"
+        == "((k <= q) || (csa::floormod((q - k), 3) == P0))"
     )
+
+
+def test_a_where_choice_counts_only_where_its_condition_holds():
+    """``torch.where(q >= n, (q - n) // 8, q // 8)`` (block diffusion's halves): the first choice is evaluated
+    only where ``q >= n``, so its division is C's (narrowable); the second choice knows nothing more."""
+    from cusparseattn.rules import narrowable
+
+    n = 40
+    text = trace.trace(
+        lambda b, h, q, k: torch.where(q >= n, (q - n) // 8, (q - n) // 8 + 9) == k, "mask_mod"
+    ).c_text("value", MASK_NAMES)
+    assert text == "(((q >= P0) ? ((q - P0) / 8) : (csa::floordiv((q - P0), 8) + P1)) == k)", text
+    assert not narrowable(text)
