@@ -11,8 +11,9 @@ that PyTorch, JAX, CuPy and NumPy arrays go in and come back in their own framew
 (1, 2, 256, 64)
 """
 
-from . import backends, mods, patterns, reference, torch_backends, trace
+from . import backends, dynamic, mods, patterns, reference, selectors, torch_backends, trace
 from .api import attention, attention_backward, attention_forward
+from .dynamic import DynamicLayout
 from .layout import BlockLayout
 from .patterns import Pattern
 from .rules import TokenRule
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BlockLayout",
+    "DynamicLayout",
     "Pattern",
     "ScoreMod",
     "TokenRule",
@@ -29,9 +31,11 @@ __all__ = [
     "attention_backward",
     "attention_forward",
     "backends",
+    "dynamic",
     "mods",
     "patterns",
     "reference",
+    "selectors",
     "torch_backends",
     "trace",
 ]

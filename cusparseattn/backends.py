@@ -61,6 +61,7 @@ import numpy as np
 
 from .arrays import Tensor, cupy_stream, device_name
 from .call import Inputs, prepare
+from .dynamic import DynamicLayout
 
 OPS = ("forward", "backward")
 
@@ -241,6 +242,11 @@ class CudaBackend(Backend):
         from . import devices
 
         reasons = []
+        if isinstance(inputs.layout, DynamicLayout):
+            reasons.append(
+                "the kernels do not take dynamic layouts (index arrays) yet: the reference runs them, "
+                "on the arrays' GPU through CuPy for float32 and float64"
+            )
         if not inputs.on_gpu:
             reasons.append(f"the inputs are on {device_name(inputs.device)}, not on a CUDA device")
         reasons += devices.available()

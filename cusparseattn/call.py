@@ -22,6 +22,7 @@ from typing import NamedTuple
 from . import mods, patterns
 from .arrays import DTYPES, Device, Tensor, device_name, wrap
 from .captures import EnvironmentCache
+from .dynamic import DynamicLayout
 from .layout import BlockLayout
 
 
@@ -131,7 +132,10 @@ def check_layout(layout: BlockLayout, sizes: Sizes) -> None:
     ValueError: layout was built for seq_q=128, seq_k=128, but q has 100 tokens ...(100, 100), or pass...
     """
     if not isinstance(layout, BlockLayout):
-        raise TypeError(f"layout must be None, a Pattern or a BlockLayout, got {type(layout).__qualname__}")
+        raise TypeError(
+            "layout must be None, a Pattern, a BlockLayout or a DynamicLayout, "
+            f"got {type(layout).__qualname__}"
+        )
     if (layout.seq_q, layout.seq_k) != (sizes.seq_q, sizes.seq_k):
         raise ValueError(
             f"layout was built for seq_q={layout.seq_q}, seq_k={layout.seq_k}, but q has {sizes.seq_q} "
@@ -229,12 +233,15 @@ def default_pattern(causal: bool) -> patterns.Pattern:
     return patterns.causal() if causal else patterns.dense()
 
 
-def resolve_layout(layout, causal: bool, sizes: Sizes) -> BlockLayout:
+def resolve_layout(layout, causal: bool, sizes: Sizes) -> BlockLayout | DynamicLayout:
     """The BlockLayout for these sizes: None is dense, a Pattern is built for them, a mask function becomes a
-    Pattern (`mask_pattern`); ``causal`` intersects."""
+    Pattern (`mask_pattern`); ``causal`` intersects. A `DynamicLayout` stays one, checked against the sizes
+    and its static parts built for them (`DynamicLayout.fit`)."""
+    if isinstance(layout, DynamicLayout):
+        return layout.fit(sizes, causal)
     if layout is None:
         return default_pattern(causal).layout(sizes.seq_q, sizes.seq_k)
-    if callable(layout) and not isinstance(layout, (patterns.Pattern, BlockLayout)):
+    if callable(layout) and not isinstance(layout, (patterns.Pattern, BlockLayout, DynamicLayout)):
         layout = mask_pattern(layout, sizes.batch, sizes.heads_q)
     if isinstance(layout, patterns.Pattern):
         layout = layout.layout(sizes.seq_q, sizes.seq_k)

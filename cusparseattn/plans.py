@@ -32,6 +32,7 @@ import threading
 from . import backends, call, env, mods
 from .arrays import allocator, known, signature, wrap
 from .call import Inputs
+from .dynamic import DynamicLayout
 from .layout import BlockLayout
 from .patterns import Pattern
 from .recent import Recent
@@ -76,7 +77,7 @@ _NOT_KEYED = object()
 def _keyed_layout(layout, shape):
     """The object a layout argument is keyed by: itself, or for a mask function the Pattern its captures give
     (`call.mask_pattern`); `_NOT_KEYED` when it is neither."""
-    if layout is None or isinstance(layout, (Pattern, BlockLayout)):
+    if layout is None or isinstance(layout, (Pattern, BlockLayout, DynamicLayout)):
         return layout
     if callable(layout) and len(shape) == 4:
         try:

@@ -38,6 +38,7 @@ import array_api_compat
 import ml_dtypes
 import numpy as np
 
+from .dynamic import DynamicLayout
 from .layout import BlockLayout
 from .trace import ScoreMod
 
@@ -73,6 +74,7 @@ def forward(q, k, v, layout: BlockLayout, *, scale=None, precision=np.float32, s
     """
     xp, (q, k, v) = _arrays(q=q, k=k, v=v)
     _check_qkv(xp, q, k, v)
+    layout = _host_layout(layout, q.shape, k.shape)
     _check_layout(layout, q.shape, k.shape)
     prec = _precision(precision)
     work = getattr(xp, prec.name)  # the working dtype in the arrays' namespace
@@ -127,6 +129,7 @@ def backward(
     """
     xp, (dout, q, k, v, out, lse) = _arrays(dout=dout, q=q, k=k, v=v, out=out, lse=lse)
     _check_qkv(xp, q, k, v)
+    layout = _host_layout(layout, q.shape, k.shape)
     _check_layout(layout, q.shape, k.shape)
     for name, arr, shape in (("dout", dout, q.shape), ("out", out, q.shape), ("lse", lse, q.shape[:3])):
         if arr.shape != shape:
@@ -265,10 +268,26 @@ def _check_qkv(xp, q, k, v) -> None:
         raise ValueError(f"k has {hkv} heads, and q's {hq} heads are not a multiple of it")
 
 
+def _host_layout(layout, q_shape, k_shape):
+    """A `cusparseattn.dynamic.DynamicLayout` as the `BlockLayout` of its selection (its indices read on the
+    host, ignored entries ignored: the kernels' rule, without the call's checks), anything else as it is."""
+    if not isinstance(layout, DynamicLayout):
+        return layout
+    (_, hq, sq, _), (_, hkv, sk, _) = q_shape, k_shape
+    rows = -(-sq // layout.block_size[0]) if layout.per == "block" else sq
+    if layout.rows != rows or layout.heads not in (1, hq, hkv) or layout.batch not in (1, q_shape[0]):
+        raise ValueError(
+            f"layout's indices {tuple(layout.indices.shape)} do not fit q {q_shape} and k {k_shape}: "
+            "expected "
+            f"[1 or {q_shape[0]}, 1 or {hq} or {hkv}, {rows}, k]"
+        )
+    return layout.to_layout(sq, sk, hq, hkv)
+
+
 def _check_layout(layout, q_shape, k_shape) -> None:
     (b, hq, sq, _), sk = q_shape, k_shape[2]
     if not isinstance(layout, BlockLayout):
-        raise ValueError(f"layout must be a BlockLayout, got {type(layout).__name__}")
+        raise ValueError(f"layout must be a BlockLayout or a DynamicLayout, got {type(layout).__name__}")
     if (layout.seq_q, layout.seq_k) != (sq, sk):
         raise ValueError(
             f"layout is for seq_q={layout.seq_q}, seq_k={layout.seq_k}, but q has {sq} tokens and k has {sk}"

@@ -31,6 +31,7 @@ import numpy as np
 from .arrays import wrap
 from .backends import Backend, register_backend
 from .call import Inputs
+from .dynamic import DynamicLayout
 
 #: Bytes of the ``scale * q @ k^T`` band that SDPA's log-sum-exp computes at once (query rows in bands).
 CHUNK_BYTES = 64 << 20
@@ -97,6 +98,8 @@ class SdpaBackend(Backend):
         if inputs.score_mod is not None:
             reasons.append("SDPA takes no score_mod")
         layout = inputs.layout
+        if isinstance(layout, DynamicLayout):
+            return [*reasons, "this backend takes static layouts, not a DynamicLayout's index arrays"]
         shape = (layout.batch, layout.heads, layout.seq_q, layout.seq_k)
         size = math.prod(shape)
         if size > self.max_mask_bytes:
@@ -250,6 +253,8 @@ class FlexBackend(Backend):
                 f"got {inputs.head_dim}"
             )
         layout = inputs.layout
+        if isinstance(layout, DynamicLayout):
+            return [*reasons, "this backend takes static layouts, not a DynamicLayout's index arrays"]
         if layout.rule is not None and layout.partial.any():
             reasons += _rule_reasons(layout)
         return reasons

@@ -184,7 +184,11 @@ ERRORS = [
     ({"scale": "0.1"}, TypeError, r"scale must be a real number or None \(1/sqrt\(D\)\), got str"),
     ({"scale": True}, TypeError, "scale must be a real number or None"),
     ({"causal": 1}, TypeError, "causal must be True or False, got 1"),
-    ({"layout": "local"}, TypeError, "layout must be None, a Pattern or a BlockLayout, got str"),
+    (
+        {"layout": "local"},
+        TypeError,
+        "layout must be None, a Pattern, a BlockLayout or a DynamicLayout, got str",
+    ),
     (
         {"layout": patterns.causal(block=16).layout(32)},
         ValueError,

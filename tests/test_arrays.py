@@ -344,7 +344,7 @@ def test_check_layout_accepts_shared_and_per_head(batch, heads):
             "layout has batch 3, expected 1 \\(shared\\) or q's batch size 2",
         ),
         (block_layout(heads=2), ValueError, "layout has 2 heads, expected 1 \\(shared\\) or q's 4 heads"),
-        (np.ones((4, 5), bool), TypeError, "layout must be None, a Pattern or a BlockLayout, got ndarray"),
+        (np.ones((4, 5), bool), TypeError, "a BlockLayout or a DynamicLayout, got ndarray"),
     ],
 )
 def test_check_layout_errors(layout, error, message):
