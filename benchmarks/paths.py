@@ -86,6 +86,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(Path(__file__).parent))
 import bench  # noqa: E402  (the benchmark's layouts and FLOP count)
 
+from cusparseattn.testing import gpu_count  # noqa: E402
+
 FORWARD = ["eager", "compile", "cupy", "jax"]
 TRAIN = ["eager-train", "compile-train", "jax-train"]
 PATHS = FORWARD + TRAIN
@@ -632,7 +634,7 @@ def _free_memory() -> None:
     gc.collect()
     if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
         sys.modules["torch"].cuda.empty_cache()
-    if "cupy" in sys.modules:
+    if "cupy" in sys.modules and gpu_count():  # CuPy without a driver has no pool to free
         sys.modules["cupy"].get_default_memory_pool().free_all_blocks()
 
 
