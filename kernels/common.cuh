@@ -276,10 +276,12 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const elem_t
 }
 
 // ---- tensor cores: D += A(16 x MMA_K) * B(MMA_K x 8), fp32 accumulators -----------------------------------
-// An MMA operand of N registers as the tensor cores take it. fp16 / bf16: the loaded registers as they are.
-// float32: the TF32 rounding of each value to nearest (cvt.rna, as cuBLAS rounds) and, for CSA_TF32X3, the TF32
-// rounding of what that left out, so that big * big + big * small + small * big carries a float32 product to
-// float32's rounding (split TF32; small * small lies below it).
+// mma takes the registers as loaded (ldmatrix, or accumulators packed): for fp16 / bf16 they go to the tensor
+// cores as they are; for float32, `operand` gives A's TF32 rounding to nearest (cvt.rna, as cuBLAS rounds) once
+// per k-step, and mma rounds B's, and for CSA_TF32X3 each also carries the TF32 rounding of what that left out,
+// so that big * big + big * small + small * big carries a float32 product to float32's rounding (split TF32;
+// small * small lies below it).
+#if CSA_DTYPE_F32
 template <int N>
 struct Operand {
     unsigned big[N];
@@ -288,31 +290,24 @@ struct Operand {
 #endif
 };
 
-#if CSA_DTYPE_F32
 __device__ __forceinline__ unsigned to_tf32(float x) {
     unsigned r;
     asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
     return r;
 }
-// Operands from float32 values (their bits, as shared-memory loads give them, or accumulators).
+// Operands from float32 values given by their bits (as shared-memory loads give them).
 template <int N>
-__device__ __forceinline__ Operand<N> operand(const float (&x)[N]) {
+__device__ __forceinline__ Operand<N> operand(const unsigned (&bits)[N]) {
     Operand<N> r;
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-        r.big[i] = to_tf32(x[i]);
+        const float x = __uint_as_float(bits[i]);
+        r.big[i] = to_tf32(x);
 #if CSA_TF32X3
-        r.small[i] = to_tf32(x[i] - __uint_as_float(r.big[i]));
+        r.small[i] = to_tf32(x - __uint_as_float(r.big[i]));
 #endif
     }
     return r;
-}
-template <int N>
-__device__ __forceinline__ Operand<N> operand(const unsigned (&bits)[N]) {
-    float x[N];
-#pragma unroll
-    for (int i = 0; i < N; ++i) x[i] = __uint_as_float(bits[i]);
-    return operand(x);
 }
 
 __device__ __forceinline__ void mma_1688(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
@@ -321,7 +316,8 @@ __device__ __forceinline__ void mma_1688(float (&d)[4], const unsigned (&a)[4], 
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
-__device__ __forceinline__ void mma(float (&d)[4], const Operand<4>& a, const Operand<2>& b) {
+__device__ __forceinline__ void mma(float (&d)[4], const Operand<4>& a, unsigned b0, unsigned b1) {
+    const Operand<2> b = operand<2>({b0, b1});
 #if CSA_TF32X3
     // The small products first, while d is small, so that they are not lost beside the big one.
     mma_1688(d, a.small, b.big);
@@ -331,18 +327,15 @@ __device__ __forceinline__ void mma(float (&d)[4], const Operand<4>& a, const Op
 }
 #else
 template <int N>
-__device__ __forceinline__ Operand<N> operand(const unsigned (&bits)[N]) {
-    Operand<N> r;
-#pragma unroll
-    for (int i = 0; i < N; ++i) r.big[i] = bits[i];
-    return r;
+__device__ __forceinline__ const unsigned (&operand(const unsigned (&bits)[N]))[N] {
+    return bits;
 }
 
-__device__ __forceinline__ void mma(float (&d)[4], const Operand<4>& a, const Operand<2>& b) {
+__device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." CSA_MMA_TYPES ".f32 "
                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a.big[0]), "r"(a.big[1]), "r"(a.big[2]), "r"(a.big[3]), "r"(b.big[0]), "r"(b.big[1]));
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 __device__ __forceinline__ unsigned pack_u32(float a, float b) {
@@ -350,12 +343,6 @@ __device__ __forceinline__ unsigned pack_u32(float a, float b) {
     return *reinterpret_cast<unsigned*>(&v);
 }
 #endif
-
-// The B operands of two adjacent n-tiles from one ldmatrix x4 (registers 0-1, then 2-3).
-__device__ __forceinline__ void b_pair(Operand<2>& b0, Operand<2>& b1, const unsigned (&r)[4]) {
-    b0 = operand<2>({r[0], r[1]});
-    b1 = operand<2>({r[2], r[3]});
-}
 
 template <int N>
 __device__ __forceinline__ void zero(float (&x)[N][4]) {
@@ -383,13 +370,11 @@ struct RowFrag {
         }
     }
 
-    __device__ __forceinline__ Operand<4> get(int kk) const {
+    __device__ __forceinline__ void get(unsigned (&r)[4], int kk) const {
         if constexpr (IN_REGS) {
-            return operand(a[kk]);
+            r[0] = a[kk][0], r[1] = a[kk][1], r[2] = a[kk][2], r[3] = a[kk][3];
         } else {
-            unsigned r[4];
             ldmatrix_x4(r, base + kk * MMA_K);
-            return operand(r);
         }
     }
 };
@@ -405,69 +390,57 @@ __device__ __forceinline__ void mma_ABt(float (&s)[N / 8][4], const Frag& a_frag
     const elem_t* base = b_smem + ((lane & 7) + ((lane >> 4) << 3)) * SMEM_ROW + ((lane >> 3) & 1) * CHUNK;
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / MMA_K; ++kk) {
-        const Operand<4> a = a_frag.get(kk);
+        unsigned r[4];
+        a_frag.get(r, kk);
+        const auto& a = operand(r);
 #pragma unroll
         for (int n = 0; n < N; n += 16) {
-            unsigned r[4];
-            ldmatrix_x4(r, base + n * SMEM_ROW + kk * MMA_K);
-            Operand<2> b0, b1;
-            b_pair(b0, b1, r);
-            mma(s[n / 8], a, b0);
-            mma(s[n / 8 + 1], a, b1);
+            unsigned b[4];
+            ldmatrix_x4(b, base + n * SMEM_ROW + kk * MMA_K);
+            mma(s[n / 8], a, b[0], b[1]);
+            mma(s[n / 8 + 1], a, b[2], b[3]);
         }
     }
 }
 
-#if CSA_DTYPE_F32
-// mma_AB's operands for TF32. A TF32 A operand holds columns t and t + 4 where the accumulator holds 2t and
-// 2t + 1; the product sums over k in any order, so k-step kk takes n-tile kk's accumulators as they lie (its
-// k = t is column 2t, k = t + 4 column 2t + 1) and B's rows in the same order, 2t and 2t + 1: single words
-// (ldmatrix cannot transpose 32-bit elements), rows two apart 8 banks apart (SMEM_ROW).
-__device__ __forceinline__ Operand<4> acc_operand(const float (*p)[4], int kk) {
-    return operand<4>({p[kk][0], p[kk][2], p[kk][1], p[kk][3]});
-}
-__device__ __forceinline__ const elem_t* b_rows_base(const elem_t* b_smem, int lane) {
-    return b_smem + 2 * (lane & 3) * SMEM_ROW + (lane >> 2);
-}
-// The B operands of n-tiles d and d + 1 (columns 8d from `at`, that step's first row of the base).
-__device__ __forceinline__ void b_rows(Operand<2>& b0, Operand<2>& b1, const elem_t* at) {
-    b0 = operand<2>({at[0], at[SMEM_ROW]});
-    b1 = operand<2>({at[8], at[SMEM_ROW + 8]});
-}
-#else
-// mma_AB's operands for fp16 / bf16: the C layout of two adjacent n-tiles is the A layout of one k-step, and
-// ldmatrix x4 trans over B gives matrices (rows 0-7, d 0-7), (rows 8-15, d 0-7), (rows 0-7, d 8-15), (rows
-// 8-15, d 8-15).
-__device__ __forceinline__ Operand<4> acc_operand(const float (*p)[4], int kk) {
-    return operand<4>({pack_u32(p[2 * kk][0], p[2 * kk][1]), pack_u32(p[2 * kk][2], p[2 * kk][3]),
-                       pack_u32(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack_u32(p[2 * kk + 1][2], p[2 * kk + 1][3])});
-}
-__device__ __forceinline__ const elem_t* b_rows_base(const elem_t* b_smem, int lane) {
-    return b_smem + ((lane & 7) + (((lane >> 3) & 1) << 3)) * SMEM_ROW + (lane >> 4) * 8;
-}
-__device__ __forceinline__ void b_rows(Operand<2>& b0, Operand<2>& b1, const elem_t* at) {
-    unsigned r[4];
-    ldmatrix_x4_trans(r, at);
-    b_pair(b0, b1, r);
-}
-#endif
-
 // o[d] (16 x 8 each, DW / 8 of them) += P(16 x K) B(K x DW): P from score-shaped accumulators, B the first K
 // rows of a shared tile from column b_smem's, DW columns wide. P V in the forward; P^T dO, dS^T Q and dS K in
 // the backward.
+// fp16 / bf16: the C layout of two adjacent n-tiles is the A layout of one k-step, and ldmatrix x4 trans over B
+// gives matrices (rows 0-7, d 0-7), (rows 8-15, d 0-7), (rows 0-7, d 8-15), (rows 8-15, d 8-15).
+// float32: a TF32 A operand holds columns t and t + 4 where the accumulator holds 2t and 2t + 1; the product sums
+// over k in any order, so k-step kk takes n-tile kk's accumulators as they lie (its k = t is column 2t, k = t + 4
+// column 2t + 1) and B's rows in the same order, 2t and 2t + 1: single words (ldmatrix cannot transpose 32-bit
+// elements), rows two apart 8 banks apart (SMEM_ROW).
 template <int K, int DW>
 __device__ __forceinline__ void mma_AB(float (&o)[DW / 8][4], const float (&p)[K / 8][4], const elem_t* b_smem,
                                        int lane) {
-    const elem_t* base = b_rows_base(b_smem, lane);
+#if CSA_DTYPE_F32
+    const elem_t* base = b_smem + 2 * (lane & 3) * SMEM_ROW + (lane >> 2);
+#else
+    const elem_t* base = b_smem + ((lane & 7) + (((lane >> 3) & 1) << 3)) * SMEM_ROW + (lane >> 4) * 8;
+#endif
 #pragma unroll
     for (int kk = 0; kk < K / MMA_K; ++kk) {
-        const Operand<4> a = acc_operand(p, kk);
+#if CSA_DTYPE_F32
+        const Operand<4> a = operand<4>({__float_as_uint(p[kk][0]), __float_as_uint(p[kk][2]),
+                                         __float_as_uint(p[kk][1]), __float_as_uint(p[kk][3])});
+#else
+        unsigned a[4] = {pack_u32(p[2 * kk][0], p[2 * kk][1]), pack_u32(p[2 * kk][2], p[2 * kk][3]),
+                         pack_u32(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack_u32(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+#endif
 #pragma unroll
         for (int d = 0; d < DW / 8; d += 2) {
-            Operand<2> b0, b1;
-            b_rows(b0, b1, base + kk * MMA_K * SMEM_ROW + d * 8);
-            mma(o[d], a, b0);
-            mma(o[d + 1], a, b1);
+            const elem_t* at = base + kk * MMA_K * SMEM_ROW + d * 8;
+            unsigned b[4];
+#if CSA_DTYPE_F32
+            b[0] = __float_as_uint(at[0]), b[1] = __float_as_uint(at[SMEM_ROW]);
+            b[2] = __float_as_uint(at[8]), b[3] = __float_as_uint(at[SMEM_ROW + 8]);
+#else
+            ldmatrix_x4_trans(b, at);
+#endif
+            mma(o[d], a, b[0], b[1]);
+            mma(o[d + 1], a, b[2], b[3]);
         }
     }
 }
