@@ -162,6 +162,9 @@ def _gpu_lines() -> list[str]:
             f"  kernels: Hopper (TMA, wgmma) for head dims {tuning.HOPPER_HEAD_DIMS}, else portable; "
             f"backward: {backward}"
         )
+        lines.append(f"  float32: {devices.FLOAT32_ON_HOPPER}")
+    precision = env.float32_precision() or "high; torch tensors: torch.get_float32_matmul_precision()"
+    lines.append(f"  float32 precision: {precision} (CUSPARSEATTN_FLOAT32_PRECISION)")
     return lines
 
 

@@ -210,6 +210,13 @@ class _CudaBackward(PreparedBackward):
         return dq, dk, dv
 
 
+# How the kernels multiply float32, by precision (call.float32_precision), for runs_on.
+_FLOAT32_HOW = {
+    "high": "on TF32 tensor cores (precision 'high')",
+    "highest": "in split TF32 (precision 'highest': float32's rounding)",
+}
+
+
 class CudaBackend(Backend):
     """The CUDA kernels (``cusparseattn.cuda``), launched on the framework's current stream of the GPU.
 
@@ -259,24 +266,45 @@ class CudaBackend(Backend):
             reasons += devices.tensor_reasons(*concrete)
         return reasons
 
+    def runs_on(self, inputs):
+        where = device_name(inputs.device)
+        if inputs.dtype != "float32":
+            return where
+        from . import devices
+
+        how = _FLOAT32_HOW[inputs.precision]
+        # A Hopper GPU runs float32 on the portable kernels too (devices.FLOAT32_ON_HOPPER).
+        hopper = not devices.hopper_device_reasons(inputs.device[1])
+        return f"{where}, float32 {how}, portable kernels" + " (Hopper's take half precision)" * hopper
+
     def forward(self, inputs):
         return self.prepare_forward(inputs).run(inputs)
 
     def backward(self, inputs):
         return self.prepare_backward(inputs).run(inputs)
 
-    def prepare_forward(self, inputs):
-        launch = self._module().Forward(
-            inputs.q, inputs.k, inputs.v, inputs.layout, inputs.scale, score_mod=inputs.score_mod
+    def _passes(self, kind: str, inputs, **given):
+        """cuda's `kind` (Forward, Backward) for these inputs and the arrays `given`."""
+        made = getattr(self._module(), kind)
+        mod, precision = inputs.score_mod, inputs.precision
+        return made(
+            inputs.q,
+            inputs.k,
+            inputs.v,
+            inputs.layout,
+            inputs.scale,
+            score_mod=mod,
+            precision=precision,
+            **given,
         )
-        return _CudaForward(launch)
+
+    def prepare_forward(self, inputs):
+        return _CudaForward(self._passes("Forward", inputs))
 
     def prepare_backward(self, inputs):
         # The outputs it makes are C-contiguous: only the arrays it is handed are bound as they are.
         given = dict(dout=inputs.dout, out=inputs.out, lse=inputs.lse)
-        launch = self._module().Backward(
-            inputs.q, inputs.k, inputs.v, inputs.layout, inputs.scale, score_mod=inputs.score_mod, **given
-        )
+        launch = self._passes("Backward", inputs, **given)
         return _CudaBackward(launch)
 
 

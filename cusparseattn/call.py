@@ -16,10 +16,11 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import sys
 import weakref
 from typing import NamedTuple
 
-from . import mods, patterns
+from . import env, mods, patterns
 from .arrays import DTYPES, Device, Tensor, device_name, wrap
 from .captures import EnvironmentCache
 from .dynamic import DynamicLayout
@@ -199,6 +200,11 @@ class Inputs:
     def on_gpu(self) -> bool:
         return self.device[0] == "cuda"
 
+    @property
+    def precision(self) -> str:
+        """How the kernels multiply these inputs: float32's `float32_precision`, "high" for the others."""
+        return float32_precision(self.framework) if self.dtype == "float32" else "high"
+
     def holders(self) -> list[Tensor]:
         return [h for h in (self.dout, self.q, self.k, self.v, self.out, self.lse) if h is not None]
 
@@ -206,6 +212,22 @@ class Inputs:
         arrays = "; ".join(h.describe() for h in self.holders())
         mod = "" if self.score_mod is None else f"; score_mod {score_mod_name(self.score_mod)}"
         return f"{arrays}; scale {self.scale:.6g}{mod}; layout {self.layout!r}"
+
+
+def float32_precision(framework: str) -> str:
+    """How the kernels multiply float32 inputs of `framework`: "high" (TF32 tensor cores) or "highest" (split
+    TF32, float32's rounding). CUSPARSEATTN_FLOAT32_PRECISION where it is set; else PyTorch tensors follow
+    ``torch.get_float32_matmul_precision()`` ("highest" is "highest"; "high" and "medium" are TF32), and
+    other arrays take "high", as JAX's default matmul precision on a GPU does.
+
+    >>> float32_precision("numpy")
+    'high'
+    """
+    chosen = env.float32_precision()
+    if chosen is None and framework == "torch":
+        highest = sys.modules["torch"].get_float32_matmul_precision() == "highest"
+        return "highest" if highest else "high"
+    return chosen or "high"
 
 
 def score_mod_name(score_mod) -> str:

@@ -7,16 +7,18 @@ GPU needed)::
 
 from __future__ import annotations
 
+import functools
 import re
 
 from . import build, tuning
-from .build import DTYPES, KernelSpec, RuleSpec
+from .build import HALF_DTYPES, KernelSpec, RuleSpec
 
 
 def all_specs() -> list[KernelSpec | RuleSpec]:
     """The specialisations the CI compile check builds: every pass, head dim and mask kind in bfloat16,
-    float16 without a mask, the smaller tiles that devices with less shared memory take, a score mod, and
-    the block classification of a rule."""
+    float16 without a mask, the smaller tiles that devices with less shared memory take, a score mod, the
+    same in float32 at both precisions for the passes that take it (`float32_specs`), and the block
+    classification of a rule."""
     rules = [("none", None), ("bits", None), ("expr", "k <= q + P0")]
     specs = []
     for kernel, table in tuning.TILES.items():
@@ -25,7 +27,7 @@ def all_specs() -> list[KernelSpec | RuleSpec]:
                 KernelSpec.make(kernel, dt, d, tiles=t)
                 for d, ts in table.items()
                 for t in ts
-                for dt in DTYPES
+                for dt in HALF_DTYPES
             ]
             continue
         for d in tuning.HOPPER_HEAD_DIMS if kernel in tuning.ARCH else (32, 64, 96, 128, 256):
@@ -44,7 +46,25 @@ def all_specs() -> list[KernelSpec | RuleSpec]:
             for d in tuning.HOPPER_HEAD_DIMS:
                 for t in (tuning.tile_config(kernel, d), tuning.WIDE_TILES[kernel][d]):
                     specs.append(KernelSpec.make(kernel, "bfloat16", d, *rules[2], tiles=t, split_rows=True))
+    specs += float32_specs(rules)
     return [*specs, RuleSpec("csa::floormod(k, P0) == 0 && A0[q] == A0[k]")]
+
+
+def float32_specs(rules) -> list[KernelSpec]:
+    """float32's specialisations, at each precision: every pass that takes it (`build.FLOAT32_KERNELS`), head
+    dim and mask kind, every smaller tile of its table (devices with less shared memory) with a rule, and a
+    score mod."""
+    specs = []
+    for kernel in build.FLOAT32_KERNELS:
+        for precision in build.PRECISIONS:
+            spec = functools.partial(KernelSpec.make, kernel, "float32", precision=precision)
+            specs += [spec(d, mode, expr) for d in (32, 64, 96, 128, 256) for mode, expr in rules]
+            table = tuning.FLOAT32_TILES[kernel]
+            if precision == "highest":
+                table = {**table, **tuning.HIGHEST_TILES.get(kernel, {})}
+            specs += [spec(d, *rules[2], tiles=t) for d, candidates in table.items() for t in candidates[1:]]
+            specs += [spec(d, *rules[2], score=SAMPLE_SCORE) for d in (64, 128)]
+    return specs
 
 
 # A score mod of every kind of term a traced one has (a float parameter, a captured table, tanh): ALiBi

@@ -21,12 +21,19 @@ from .layout import BlockLayout
 
 
 def _tiled_tables(
-    kernel: str, layout: BlockLayout, head_dim: int, device: int, score, tiles=None, wide=False
+    kernel: str,
+    layout: BlockLayout,
+    head_dim: int,
+    device: int,
+    score,
+    tiles=None,
+    wide=False,
+    dtype=None,
+    precision="high",
 ):
-    bits = plan.rule_mode(layout) == "bits"
-    tiles = tiles or tuning.tile_config(
-        kernel, head_dim, devices.max_shared(device), score is not None, bits, wide
-    )
+    bits, itemsize = plan.rule_mode(layout) == "bits", build.DTYPES.get(dtype, 2)
+    choice = (score is not None, bits, wide, itemsize, precision == "highest")
+    tiles = tiles or tuning.tile_config(kernel, head_dim, devices.max_shared(device), *choice)
     return device_tables(layout, tiles[0], tiles[1], device), tiles
 
 
@@ -112,14 +119,17 @@ def forward(
     *,
     score_mod=None,
     tiles: tuple[int, int, int] | None = None,
+    precision: str = "high",
 ):
     """Launches the forward kernel: writes `out` [B, Hq, Sq, D] and `lse` [B, Hq, Sq] (float32).
 
     `score_mod` is a traced `cusparseattn.trace.ScoreMod` or None; `tiles` (TILE_M, TILE_N, NWARPS)
-    overrides the portable kernel's tile table, for tuning. On an H100/H200 the Hopper kernel runs where
-    `hopper_reasons` allows it.
+    overrides the portable kernel's tile table, for tuning; `precision` is float32's (`build.PRECISIONS`).
+    On an H100/H200 the Hopper kernel runs where `hopper_reasons` allows it.
     """
-    launch = Forward(q, k, v, layout, scale, score_mod=score_mod, tiles=tiles, out=out, lse=lse)
+    launch = Forward(
+        q, k, v, layout, scale, score_mod=score_mod, tiles=tiles, out=out, lse=lse, precision=precision
+    )
     launch.run(q, k, v, out, lse)
 
 
@@ -128,12 +138,26 @@ class Forward:
     dtype, device, address mod 16; `out` and `lse` C-contiguous unless given), over a layout, scale and
     score mod: the kernel, its tables, grid and packed parameters, made once. `run` launches it on any
     arrays described the same way; PyTorch's eager calls keep one per call signature, so that a repeated
-    call only writes addresses and launches."""
+    call only writes addresses and launches. `precision`: float32's (`build.PRECISIONS`), ignored for the
+    others."""
 
     def __init__(
-        self, q, k, v, layout: BlockLayout, scale: float, *, score_mod=None, tiles=None, out=None, lse=None
+        self,
+        q,
+        k,
+        v,
+        layout: BlockLayout,
+        scale: float,
+        *,
+        score_mod=None,
+        tiles=None,
+        out=None,
+        lse=None,
+        precision="high",
     ):
         import cupy
+
+        precision = precision if q.dtype == "float32" else "high"
 
         batch, heads_q = q.shape[:2]
         self.device = device = q.device[1]
@@ -143,7 +167,9 @@ class Forward:
             bind_device(device)
             score = score_tables(score_mod, device)
             wide = _wide_pays(kernel, layout, q.shape[3], batch, heads_q, device, score)
-            tables, tiles = _tiled_tables(kernel, layout, q.shape[3], device, score, tiles, wide)
+            tables, tiles = _tiled_tables(
+                kernel, layout, q.shape[3], device, score, tiles, wide, q.dtype, precision
+            )
             rows, work, splits = {}, None, 0
             if kernel == "forward_sm90":  # persistent: one CTA per SM walks its part of the schedule
                 ctas = min(batch * heads_q * tables.plan.tiles_q, devices.sm_count(device))
@@ -168,9 +194,8 @@ class Forward:
                 names += ("stats",)
                 made["stats"] = _Like(self.scratch, "float32")
             arrays = _bound_arrays(names, dict(q=q, k=k, v=v, out=out, lse=lse), made)
-            self.launches = [
-                make_pass(kernel, grid, tables, score, scale, tiles, work, q=q, k=k).bind(arrays, rows)
-            ]
+            main = make_pass(kernel, grid, tables, score, scale, tiles, work, q=q, k=k, precision=precision)
+            self.launches = [main.bind(arrays, rows)]
             if splits:  # a warp for each query row of each split row (forward_combine.cu)
                 edges = tuning.edge_tiles(tiles)
                 grid = (splits, edges[0] // edges[2], 1)
@@ -207,39 +232,55 @@ class Forward:
 _STATS_ROWS = 128
 
 
-def stats_shape(q_shape, device: int) -> tuple[int, int, int, int]:
-    """The backward's float32 scratch for queries of this shape on this GPU: [B, Hq, 2, Sq padded to 128]
-    (per query row lse * log2(e), then rowsum(dout * out); written by the dQ pass for the dK/dV pass). Where
-    the fused backward may run (`fused_backward`), D + 1 rows more: its fp32 dQ sums, then a counter per
-    query tile."""
+def stats_shape(q_shape, device: int, dtype: str = "bfloat16") -> tuple[int, int, int, int]:
+    """The backward's float32 scratch for queries of this shape and dtype on this GPU: [B, Hq, 2, Sq padded
+    to 128] (per query row lse * log2(e), then rowsum(dout * out); written by the dQ pass for the dK/dV pass).
+    Where the fused backward may run (`fused_backward`), D + 1 rows more: its fp32 dQ sums, then a counter
+    per query tile."""
     batch, heads, seq, head_dim = q_shape
-    rows = 2 + (head_dim + 1 if fused_backward(head_dim, device) else 0)
+    rows = 2 + (head_dim + 1 if fused_backward(head_dim, device, dtype) else 0)
     return batch, heads, rows, -(-seq // _STATS_ROWS) * _STATS_ROWS
 
 
-def fused_backward(head_dim: int, device: int) -> bool:
-    """Whether a Hopper backward of this head dim on this GPU runs fused (unless
+def fused_backward(head_dim: int, device: int, dtype: str = "bfloat16") -> bool:
+    """Whether a Hopper backward of this head dim and dtype on this GPU runs fused (unless
     CUSPARSEATTN_FUSED_BACKWARD=0): dK, dV and dQ in one pass, between a statistics pass and a pass that
-    rounds dQ."""
+    rounds dQ. Half precision only: float32 takes the portable passes."""
     return (
         env.fused_backward()
+        and dtype != "float32"
         and head_dim in tuning.HOPPER_HEAD_DIMS
         and not devices.hopper_device_reasons(device)
     )
 
 
 def backward(
-    dout, q, k, v, out, lse, dq, dk, dv, stats, layout: BlockLayout, scale: float, *, score_mod=None
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    dq,
+    dk,
+    dv,
+    stats,
+    layout: BlockLayout,
+    scale: float,
+    *,
+    score_mod=None,
+    precision: str = "high",
 ):
     """Launches the backward kernels: writes `dq` [B, Hq, Sq, D], `dk` and `dv` [B, Hkv, Sk, D], and `stats`
-    (float32 scratch of `stats_shape(q.shape, device)`, from the first kernel to the later ones).
+    (float32 scratch of `stats_shape(q.shape, device, q.dtype)`, from the first kernel to the later ones).
+    `precision`: float32's (`build.PRECISIONS`).
 
     Each gradient element is written once (no atomics), and the fused backward adds dQ's parts
     in an order fixed per query tile: the results are bitwise reproducible (unless
     CUSPARSEATTN_DETERMINISTIC=0, when the fused backward adds them as they come).
     """
     arrays = dict(dout=dout, out=out, lse=lse, dq=dq, dk=dk, dv=dv, stats=stats)
-    Backward(q, k, v, layout, scale, score_mod=score_mod, **arrays).run(
+    Backward(q, k, v, layout, scale, score_mod=score_mod, precision=precision, **arrays).run(
         dout, q, k, v, out, lse, dq, dk, dv, stats
     )
 
@@ -257,12 +298,15 @@ class Backward:
     them.
     """
 
-    def __init__(self, q, k, v, layout: BlockLayout, scale: float, *, score_mod=None, **arrays):
+    def __init__(
+        self, q, k, v, layout: BlockLayout, scale: float, *, score_mod=None, precision="high", **arrays
+    ):
         import cupy
 
         head_dim = q.shape[3]
         self.shape, self.dtype, self.device = q.shape, q.dtype, q.device[1]
-        self.stats_shape = stats_shape(q.shape, self.device)
+        self.precision = precision if q.dtype == "float32" else "high"
+        self.stats_shape = stats_shape(q.shape, self.device, q.dtype)
         stats = arrays.get("stats")
         if stats is not None and tuple(stats.shape) != self.stats_shape:
             # The fused backward writes past the statistics: a scratch shaped under
@@ -276,7 +320,7 @@ class Backward:
         # The fused pass writes dK and dV through TMA too: given ones it cannot write take the two passes.
         written = (("dk", arrays.get("dk")), ("dv", arrays.get("dv")))
         writable = not any(devices.tma_reasons(name, t) for name, t in written if t is not None)
-        fused = self.hopper and writable and fused_backward(head_dim, self.device)
+        fused = self.hopper and writable and fused_backward(head_dim, self.device, q.dtype)
         made = {name: _Like(q.shape, q.dtype) for name in ("out", "dout", "dq")}
         made |= {name: _Like(k.shape, k.dtype) for name in ("dk", "dv")}
         made |= {"lse": _Like(q.shape[:3], "float32"), "stats": _Like(self.stats_shape, "float32")}
@@ -302,7 +346,9 @@ class Backward:
         suffix = "_sm90" if self.hopper else ""
         passes = []
         for kernel in ("backward_dq" + suffix, "backward_dkdv" + suffix):
-            tables, tiles = _tiled_tables(kernel, layout, head_dim, self.device, score)
+            tables, tiles = _tiled_tables(
+                kernel, layout, head_dim, self.device, score, dtype=q.dtype, precision=self.precision
+            )
             if kernel.startswith("backward_dq"):
                 grid = (tables.plan.tiles_q, heads_q, batch)
             else:
@@ -310,7 +356,8 @@ class Backward:
                 splits = 2 if head_dim > 128 else 1
                 grid = (tables.plan.tiles_k, k.shape[1] * splits, batch)
             rows = _tma_rows(tiles, _BACKWARD_MAPS) if self.hopper else {}
-            passes.append((make_pass(kernel, grid, tables, score, scale, tiles, q=q, k=k), rows))
+            made = make_pass(kernel, grid, tables, score, scale, tiles, q=q, k=k, precision=self.precision)
+            passes.append((made, rows))
         return passes
 
     def _fused(self, q, k, layout: BlockLayout, score, scale: float) -> list:

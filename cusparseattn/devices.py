@@ -36,7 +36,7 @@ def reasons(dtype: str, head_dim: int, scale: float = 1.0) -> list[str]:
         # Masked scores are -inf before scaling: a scale <= 0 would turn them into +inf or NaN.
         out.append(f"the CUDA kernels take a positive scale, got {scale}")
     if dtype not in build.DTYPES:
-        out.append(f"the CUDA kernels take float16 and bfloat16 inputs, got {dtype}")
+        out.append(f"the CUDA kernels take float16, bfloat16 and float32 inputs, got {dtype}")
     if head_dim % 8 or not 8 <= head_dim <= MAX_HEAD_DIM:
         out.append(
             f"the CUDA kernels take head dims that are multiples of 8 up to {MAX_HEAD_DIM}, got {head_dim}"
@@ -110,12 +110,21 @@ def hopper_device_reasons(device: int) -> list[str]:
     return []
 
 
+# Why float32 takes the portable kernels on a Hopper GPU.
+FLOAT32_ON_HOPPER = (
+    "the Hopper kernels take float16 and bfloat16: float32 runs the portable kernels on TF32 tensor cores "
+    "(wgmma reads TF32 operands K-major only, which V in P V is not)"
+)
+
+
 def hopper_reasons(q, k, v, dout=None, out=None) -> list[str]:
     """Why a pass cannot take the Hopper kernels for these device arrays (dout: the backward's; out: the
     forward's, which it stores by TMA, where the caller gives one; empty when it can); it then runs the
     portable ones."""
     if reasons := hopper_device_reasons(q.device[1]):
         return reasons
+    if q.dtype not in build.HALF_DTYPES:
+        return [FLOAT32_ON_HOPPER]
     if q.shape[3] not in tuning.HOPPER_HEAD_DIMS:
         return [f"the Hopper kernels take head dims {tuning.HOPPER_HEAD_DIMS}, got {q.shape[3]}"]
     named = (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out))

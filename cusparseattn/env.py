@@ -9,6 +9,11 @@
 - ``CUSPARSEATTN_DETERMINISTIC=0``: let the fused Hopper backward add each query tile's parts of dQ in the
   order they land (as FlashAttention's atomic adds do), not in an order fixed per query tile: faster at head
   dim 64 (docs/history.md gives by how much), but dQ's last bits may differ from run to run.
+- ``CUSPARSEATTN_FLOAT32_PRECISION=high|highest``: how the kernels multiply float32 inputs. ``high`` on TF32
+  tensor cores (10 bits of mantissa, as cuBLAS's TF32); ``highest`` in split TF32, three products a multiply,
+  to float32's rounding. Unset: PyTorch tensors follow ``torch.get_float32_matmul_precision()`` (its
+  ``"highest"``, PyTorch's default, is ``highest``; ``"high"`` and ``"medium"`` are ``high``), other arrays
+  take ``high``.
 """
 
 from __future__ import annotations
@@ -39,6 +44,14 @@ def fused_backward() -> bool:
 
 def deterministic() -> bool:
     return _on_unless_off("DETERMINISTIC")
+
+
+def float32_precision() -> str | None:
+    """CUSPARSEATTN_FLOAT32_PRECISION: "high", "highest", or None where it is unset."""
+    value = os.environ.get("CUSPARSEATTN_FLOAT32_PRECISION", "").strip().lower()
+    if value in ("", "high", "highest"):
+        return value or None
+    raise ValueError(f"CUSPARSEATTN_FLOAT32_PRECISION must be 'high' or 'highest', got {value!r}")
 
 
 def verbose() -> bool:

@@ -125,9 +125,10 @@ def run(inputs: Inputs, op: str, backend: str | None) -> tuple:
         if op == "backward":
             from . import cuda
 
-            scratch = cuda.stats_shape(q.shape, q.device[1])  # the kernels'; a tracer's device: JAX's default
+            # the kernels'; a tracer's device: JAX's default
+            scratch = cuda.stats_shape(q.shape, q.device[1], q.dtype)
             results += (jax.ShapeDtypeStruct(scratch, np.float32),)
-        call = _Kernels(op, inputs.layout, inputs.scale, inputs.score_mod, q.dtype)
+        call = _Kernels(op, inputs.layout, inputs.scale, inputs.score_mod, q.dtype, inputs.precision)
         outputs = buffer_callback(call, results, vmap_method="sequential")(*natives)
         return tuple(outputs[:3]) if op == "backward" else tuple(outputs)
     if chosen.name != "reference":
@@ -148,16 +149,19 @@ def run(inputs: Inputs, op: str, backend: str | None) -> tuple:
 class _Pass:
     """One pass of one call, as the Python function of an XLA call (its subclasses say which kind).
 
-    Two are equal when they run the same pass on the same layout and score mod (the same objects), scale and
-    dtype: JAX compiles an eager call of a primitive once per distinct parameters, the function among them,
-    so a fresh closure per call would compile again on every eager call.
+    Two are equal when they run the same pass on the same layout and score mod (the same objects), scale,
+    dtype and float32 precision (chosen when the call is traced): JAX compiles an eager call of a primitive
+    once per distinct parameters, the function among them, so a fresh closure per call would compile again on
+    every eager call.
     """
 
-    def __init__(self, op: str, layout, scale: float, score_mod, dtype: str):
+    def __init__(self, op: str, layout, scale: float, score_mod, dtype: str, precision: str = "high"):
         self.op, self.layout, self.scale, self.score_mod, self.dtype = op, layout, scale, score_mod, dtype
+        self.precision = precision
 
     def _key(self) -> tuple:
-        return (type(self), self.op, id(self.layout), self.scale, id(self.score_mod), self.dtype)
+        mod = id(self.score_mod)
+        return (type(self), self.op, id(self.layout), self.scale, mod, self.dtype, self.precision)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, _Pass) and self._key() == other._key()
@@ -214,10 +218,10 @@ class _Kernels(_Pass):
         if reasons:
             raise ValueError("the CUDA kernels cannot read XLA's buffers: " + "; ".join(reasons))
         q, k, v = arrays.pop("q"), arrays.pop("k"), arrays.pop("v")
+        options = dict(score_mod=self.score_mod, precision=self.precision, **arrays)
         if self.op == "forward":
-            passes = cuda.Forward(q, k, v, self.layout, self.scale, score_mod=self.score_mod, **arrays)
-            return passes.run_at
-        passes = cuda.Backward(q, k, v, self.layout, self.scale, score_mod=self.score_mod, **arrays)
+            return cuda.Forward(q, k, v, self.layout, self.scale, **options).run_at
+        passes = cuda.Backward(q, k, v, self.layout, self.scale, **options)
         launch = passes.launcher(arrays["dout"])
         # XLA's order (dout, q, k, v, out, lse, dq, dk, dv, stats) to the passes' (q, k, v, out, lse, dout,
         # dq, dk, dv, stats)

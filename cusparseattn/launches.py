@@ -84,17 +84,29 @@ class Pass:
     """One kernel's launches for one call's sizes: the kernel, its geometry and the parameters that do not
     change from call to call (tables, sizes, scale, schedule) packed ahead. `work`: a persistent pass's
     schedule on the device, by Params field (`DeviceTables.work`, `DeviceTables.columns`). `bind` makes its
-    launches over arrays of given strides. A `tuning.PLAIN` kernel is built without the layout's rule."""
+    launches over arrays of given strides. A `tuning.PLAIN` kernel is built without the layout's rule.
+    `precision`: float32's (`build.PRECISIONS`)."""
 
     def __init__(
-        self, kernel: str, grid, tables: DeviceTables, score, scale: float, tiles, work, unordered, q, k
+        self,
+        kernel: str,
+        grid,
+        tables: DeviceTables,
+        score,
+        scale: float,
+        tiles,
+        work,
+        unordered,
+        q,
+        k,
+        precision="high",
     ):
         self.kernel, self.grid, self.tiles = kernel, grid, tiles
         rule = ("none", None) if kernel in tuning.PLAIN else (tables.plan.rule_mode, tables.rule_expr)
         spec_args = (kernel, q.dtype, q.shape[3], tiles, *rule, score and score.spec)
         # The Hopper forward's build for split rows where its deal has some (the others keep their code).
         split_rows = kernel == "forward_sm90" and work["split_ptr"].size > 1
-        self.function, self.block, self.shared = loaded_kernel(q.device[1], *spec_args, split_rows)
+        self.function, self.block, self.shared = loaded_kernel(q.device[1], *spec_args, split_rows, precision)
         # The device arrays that the parameters point to live as long as this pass.
         self.arrays = (tables, score, work)
         buffer = bytearray(tables.params)
@@ -191,18 +203,30 @@ def launch_kernel(kernel: int, grid, block, shared: int, stream: int, table) -> 
 
 
 def make_pass(
-    kernel: str, grid, tables: DeviceTables, score, scale: float, tiles, work=None, *, q, k, unordered=False
+    kernel: str,
+    grid,
+    tables: DeviceTables,
+    score,
+    scale: float,
+    tiles,
+    work=None,
+    *,
+    q,
+    k,
+    unordered=False,
+    precision="high",
 ) -> Pass:
     """The pass of `kernel` over `tables` for these sizes, made once (with a score mod, once a call: its
     tables must not outlive it in the layout's). `unordered`: the fused backward's dQ adds in any order
-    (`Backward`)."""
+    (`Backward`); `precision`: float32's (`build.PRECISIONS`)."""
+    args = (kernel, grid, tables, score, scale, tiles, work, unordered, q, k, precision)
     if score is not None:
-        return Pass(kernel, grid, tables, score, scale, tiles, work, unordered, q, k)
+        return Pass(*args)
     # The work list lives in the tables as long as they do: its id names it.
-    key = (kernel, grid, scale, tiles, id(work), unordered, q.dtype, q.shape, k.shape)
+    key = (kernel, grid, scale, tiles, id(work), unordered, q.dtype, q.shape, k.shape, precision)
     made = tables.passes.get(key)
     if made is None:
-        made = tables.passes[key] = Pass(kernel, grid, tables, None, scale, tiles, work, unordered, q, k)
+        made = tables.passes[key] = Pass(*args)
     return made
 
 

@@ -108,7 +108,9 @@ def _signature(op: str, arrays, layout, causal, scale, backend, score_mod, backw
     keyed, mod = _keyed_layout(layout, described[q][0]), _keyed_mod(score_mod)
     if keyed is _NOT_KEYED or mod is _NOT_KEYED:
         return None, layout, score_mod
-    switches = (env.hopper(), env.fused_backward(), env.deterministic())
+    # float32's precision (call.float32_precision) follows a framework's switch: the q's framework's.
+    precision = call.float32_precision(type(arrays[q]).__module__.split(".")[0])
+    switches = (env.hopper(), env.fused_backward(), env.deterministic(), precision)
     key = (op, id(keyed), causal, scale, backend, id(mod), backward, backends.state(), switches, described)
     return key, keyed, mod
 

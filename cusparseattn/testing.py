@@ -142,24 +142,29 @@ def check_close(name, got, ref64, low_ref, *, dtype):
         )
 
 
-def forward_refs(q, k, v, layout, *, scale=None):
+def forward_refs(q, k, v, layout, *, scale=None, low=None):
     """``(ref64, low_ref)`` for a forward: each an ``(out, lse)`` pair for `check_close`.
 
     ``ref64`` is the float64 reference on the same (exactly upcast) inputs; ``low_ref`` is the reference as a
-    kernel computes it: float32 softmax, output rounded to the inputs' dtype.
+    kernel computes it: float32 softmax, output rounded to the inputs' dtype, or with ``low`` (a dtype) the
+    inputs and output rounded to that one: float16 bounds a TF32 kernel's float32 (the same 10 bits of
+    mantissa). Check against it with ``dtype=low``.
     """
     q64, k64, v64 = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     ref64 = reference.forward(q64, k64, v64, layout, scale=scale, precision=np.float64)
+    q, k, v = (x if low is None else np.asarray(x).astype(low) for x in (q, k, v))
     return ref64, reference.forward(q, k, v, layout, scale=scale)
 
 
-def backward_refs(dout, q, k, v, layout, *, scale=None):
-    """``(ref64, low_ref)`` for a backward: each a ``(dq, dk, dv)`` triple for `check_close`.
+def backward_refs(dout, q, k, v, layout, *, scale=None, low=None):
+    """``(ref64, low_ref)`` for a backward: each a ``(dq, dk, dv)`` triple for `check_close` (``low`` as in
+    `forward_refs`).
 
     Each reference runs its own forward in its own precision and feeds that ``out`` and ``lse`` back.
     """
     q64, k64, v64, do64 = (np.asarray(x, dtype=np.float64) for x in (q, k, v, dout))
     out64, lse64 = reference.forward(q64, k64, v64, layout, scale=scale, precision=np.float64)
     ref64 = reference.backward(do64, q64, k64, v64, out64, lse64, layout, scale=scale, precision=np.float64)
+    dout, q, k, v = (x if low is None else np.asarray(x).astype(low) for x in (dout, q, k, v))
     out, lse = reference.forward(q, k, v, layout, scale=scale)
     return ref64, reference.backward(dout, q, k, v, out, lse, layout, scale=scale)

@@ -56,6 +56,30 @@ TILES = {
     # of its WIDE_TILES.
     "forward_combine": {64: [(128, 64, 8), (192, 64, 12)], 128: [(128, 64, 8)]},
 }
+# float32 (TF32 tensor cores) runs the portable passes: its shared rows take twice the bytes of fp16's, so
+# for the same head dim its tiles are a size smaller where fp16's would not fit (an H100's 227 KiB first, then
+# an A100's 163 and sm_86/89's 99); its accumulators are fp16's, and its fragments kept in registers twice
+# fp16's (the kernels keep them in shared memory past 256 bytes a row).
+FLOAT32_TILES = {
+    "forward": {
+        64: [(128, 64, 8), (64, 64, 4)],
+        128: [(128, 64, 8), (128, 32, 8), (64, 32, 4)],
+        256: [(64, 32, 4), (64, 16, 4), (32, 16, 2)],
+    },
+    "backward_dq": {
+        64: [(128, 64, 8), (64, 32, 4)],
+        128: [(128, 32, 8), (64, 32, 4), (64, 16, 4)],
+        256: [(64, 16, 4), (32, 16, 2), (16, 16, 1)],
+    },
+    "backward_dkdv": {
+        64: [(64, 128, 8), (32, 64, 4)],
+        128: [(32, 128, 8), (32, 64, 4), (16, 32, 2)],
+        256: [(16, 64, 4), (16, 32, 2), (16, 16, 1)],
+    },
+}
+# float32 at precision "highest" (split TF32: each operand in two registers), where FLOAT32_TILES' spill: the
+# dK/dV pass's 32 queries a step at head dim 128.
+HIGHEST_TILES = {"backward_dkdv": {128: [(16, 128, 8), (16, 64, 4), (16, 32, 2)]}}
 # Passes that read no layout and no score mod: one kernel serves every layout (cuda.py builds them plain).
 PLAIN = ("backward_stats", "backward_dq_convert", "forward_combine")
 # Hopper kernels (sm_90a: TMA, wgmma, a producer warpgroup) take head dims of whole 64-element panels.
@@ -184,12 +208,13 @@ def barrier_sleeps(kernel: str) -> bool:
     return kernel == "forward_sm90"
 
 
-def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> int:
-    """The dynamic shared memory of one pass (each kernel static_asserts the same figure)."""
+def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int], itemsize: int = 2) -> int:
+    """The dynamic shared memory of one pass for elements of `itemsize` bytes (each kernel static_asserts the
+    same figure)."""
     tm, tn, _ = tiles
     if kernel in PLAIN:
         return 0
-    row = 2 * (pad_head_dim(head_dim) + 8)  # bytes per padded shared row (SMEM_ROW elements)
+    row = itemsize * pad_head_dim(head_dim) + 16  # bytes per padded shared row (SMEM_ROW elements)
     if kernel == "forward":  # Q, two stages of K and V
         return row * (tm + 2 * 2 * tn)
     if kernel in ARCH:  # the kernel's Shared struct (1024-aligned), and 1024 bytes to align it (not the fused
@@ -230,28 +255,38 @@ def tile_config(
     score: bool = False,
     bits: bool = False,
     wide: bool = False,
+    itemsize: int = 2,
+    highest: bool = False,
 ) -> tuple[int, int, int]:
     """The preferred tiles of `kernel` for this head dim whose shared memory fits `max_shared` bytes (and
-    whose key tile a score mod, or a layout's bit masks, allow); its `WIDE_TILES` where `wide` asks."""
+    whose key tile a score mod, or a layout's bit masks, allow); its `WIDE_TILES` where `wide` asks. Elements
+    of `itemsize` 4 (float32) take `FLOAT32_TILES`, and at precision "highest" `HIGHEST_TILES` where it has
+    some."""
     if kernel not in TILES:
         raise ValueError(f"kernel must be one of {sorted(TILES)}, got {kernel!r}")
+    table = TILES[kernel] if itemsize == 2 else FLOAT32_TILES.get(kernel)
+    if table is None:
+        raise ValueError(f"{kernel} takes 2-byte elements, not {itemsize}-byte ones")
+    if highest:
+        table = {**table, **HIGHEST_TILES.get(kernel, {})}
     padded = pad_head_dim(head_dim)
     tiles = WIDE_TILES.get(kernel, {}).get(padded)
     if wide and tiles and not (score or bits) and shared_bytes(kernel, head_dim, tiles) <= max_shared:
-        return tiles
+        return tiles  # the Hopper forward's: half precision
     needs = {"score": score, "bits": bits}
     limits = [limit for need, limit in MAX_TILES.get(kernel, {}).items() if needs[need]]
     max_m, max_n = (min((limit[i] for limit in limits), default=1 << 30) for i in (0, 1))
-    for limit, candidates in sorted(TILES[kernel].items()):
+    for limit, candidates in sorted(table.items()):
         if padded <= limit:
             for tiles in candidates:
                 fits = tiles[0] <= max_m and tiles[1] <= max_n
-                if fits and shared_bytes(kernel, head_dim, tiles) <= max_shared:
+                if fits and shared_bytes(kernel, head_dim, tiles, itemsize) <= max_shared:
                     return tiles
             raise ValueError(
-                f"no {kernel} tiles for head dim {head_dim} fit {max_shared} bytes of shared memory per block"
+                f"no {kernel} tiles for head dim {head_dim} and {itemsize}-byte elements fit {max_shared} "
+                "bytes of shared memory per block"
             )
-    raise ValueError(f"head dim {head_dim} is larger than the kernels' {max(TILES[kernel])}")
+    raise ValueError(f"head dim {head_dim} is larger than the kernels' {max(table)}")
 
 
 # The kernels' `Params` struct (kernels/common.cuh), field by field, in order. align=True gives C's layout.

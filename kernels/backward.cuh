@@ -26,7 +26,7 @@ __device__ __forceinline__ int* dq_counters(const Params& p, int b, int h) {
 // The dQ pass's statistics of the warp's 16 rows from row0, returned for rows g and g + 8 (the rows of the
 // thread's accumulators) and written out for the dK/dV pass, over the whole padded length (rows past the
 // sequence too, so that a tile copied whole holds no garbage):
-// - delta = rowsum(dO * O) in fp32. Lanes 2r and 2r + 1 share row r, 8 elements per 16-byte load.
+// - delta = rowsum(dO * O) in fp32. Lanes 2r and 2r + 1 share row r, a chunk (16 bytes) per load.
 // - lse2 = lse * log2(e): +inf past the sequence and for rows that attend to nothing (lse = -inf), so that
 //   exp2(s - lse2) gives P = 0 there.
 __device__ __forceinline__ void row_stats(const Params& p, int b, int h, int row0, int lane, float (&lse2)[2],
@@ -36,13 +36,13 @@ __device__ __forceinline__ void row_stats(const Params& p, int b, int h, int row
     if (q < p.seq_q) {
         const elem_t* o_row = p.o + b * p.o_sb + h * p.o_sh + (long long)q * p.o_ss;
         const elem_t* do_row = p.dout + b * p.do_sb + h * p.do_sh + (long long)q * p.do_ss;
-        for (int c = (lane & 1) * 8; c < HEAD_DIM_REAL; c += 16) {
+        for (int c = (lane & 1) * CHUNK; c < HEAD_DIM_REAL; c += 2 * CHUNK) {
             const uint4 ov = *reinterpret_cast<const uint4*>(o_row + c);
             const uint4 dv = *reinterpret_cast<const uint4*>(do_row + c);
             const elem2_t* o2 = reinterpret_cast<const elem2_t*>(&ov);
             const elem2_t* d2 = reinterpret_cast<const elem2_t*>(&dv);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
+            for (int j = 0; j < CHUNK / 2; ++j) {
                 const float2 of = unpack2(o2[j]), df = unpack2(d2[j]);
                 sum = fmaf(of.x, df.x, fmaf(of.y, df.y, sum));
             }

@@ -53,7 +53,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     float dk[DW / 8][4], dv[DW / 8][4];
     zero(dk);
     zero(dv);
-    RowFrag<(HEAD_DIM <= 64)> kf, vf;
+    RowFrag<(ROW_BYTES <= 128)> kf, vf;
     bool frags_loaded = false;
 
     for (int j = 0; j < p.group; ++j) {

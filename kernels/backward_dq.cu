@@ -47,7 +47,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 
     float dq[HEAD_DIM / 8][4];
     zero(dq);
-    RowFrag<(HEAD_DIM <= 128)> qf, dof;
+    RowFrag<(ROW_BYTES <= 256)> qf, dof;
     pipeline2(
         count,
         [&](int stage, int i) {

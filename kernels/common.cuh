@@ -3,7 +3,8 @@
 // partial tiles and the score mods (masking.cuh) and the backward's helpers (backward.cuh) follow it.
 //
 // The builder prepends a prelude that defines, before this header is included:
-//   CSA_DTYPE_BF16 (0/1), HEAD_DIM (padded to 16), HEAD_DIM_REAL, TILE_M (query tile), TILE_N (key tile),
+//   CSA_DTYPE_BF16 (0/1), CSA_DTYPE_F32 (0/1: float32 on TF32 tensor cores) and, for float32, CSA_TF32X3 (0/1:
+//   precision "highest", split TF32), HEAD_DIM (padded to 16), HEAD_DIM_REAL, TILE_M (query tile), TILE_N (key tile),
 //   NWARPS, SHARED_BYTES (the dynamic shared memory it launches with), RULE_MODE (RULE_NONE / RULE_EXPR /
 //   RULE_BITS) and, for RULE_EXPR, CSA_RULE(b, h, q, k) and RULE_BAND (0/1), for 1 CSA_RULE_FIRST(b, h, q)
 //   and/or CSA_RULE_LAST(b, h, q) (rules.key_band: the rule is FIRST <= k <= LAST), and RULE_QBAND (0/1),
@@ -27,7 +28,12 @@
 
 namespace csa {
 
-#if CSA_DTYPE_BF16
+#if CSA_DTYPE_F32
+using elem_t = float;
+using elem2_t = float2;
+__device__ __forceinline__ elem2_t pack2(float a, float b) { return make_float2(a, b); }
+__device__ __forceinline__ float2 unpack2(elem2_t x) { return x; }
+#elif CSA_DTYPE_BF16
 using elem_t = __nv_bfloat16;
 using elem2_t = __nv_bfloat162;
 __device__ __forceinline__ elem2_t pack2(float a, float b) { return __floats2bfloat162_rn(a, b); }
@@ -39,6 +45,9 @@ using elem2_t = __half2;
 __device__ __forceinline__ elem2_t pack2(float a, float b) { return __floats2half2_rn(a, b); }
 __device__ __forceinline__ float2 unpack2(elem2_t x) { return __half22float2(x); }
 #define CSA_MMA_TYPES "f16.f16"
+#endif
+#ifndef CSA_TF32X3
+#define CSA_TF32X3 0
 #endif
 
 // log2(e): scores are scaled by scale * LOG2E once so that exp(x) becomes exp2 of an FMA result.
@@ -181,21 +190,29 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// Elements of a 16-byte chunk (a cp.async copy, a row of an ldmatrix matrix) and of an MMA's reduction step:
+// 32 bytes of a row, k16 for fp16 / bf16 and k8 for TF32.
+constexpr int CHUNK = 16 / sizeof(elem_t);
+constexpr int MMA_K = 2 * CHUNK;
+// A head's row of elements in bytes: what a warp's fragments of 16 rows take in registers (RowFrag).
+constexpr int ROW_BYTES = HEAD_DIM * sizeof(elem_t);
+
 // Shared rows are padded by 16 bytes: for HEAD_DIM a multiple of 16 the 8 row addresses of an ldmatrix
-// then fall in distinct banks, without a swizzle.
-constexpr int SMEM_ROW = HEAD_DIM + 8;
+// then fall in distinct banks, without a swizzle, and so do the float32 B operands that mma_AB loads a word at
+// a time (rows 2t and 2t + 1, columns g: rows two apart are 8 banks apart).
+constexpr int SMEM_ROW = HEAD_DIM + CHUNK;
 
 // Copies rows [row0, row0 + ROWS) of one head (row stride `ss` elements) into shared memory; rows at or past
 // `rows_valid` and columns past HEAD_DIM_REAL are zero-filled so that padded lanes contribute nothing.
 template <int ROWS, int THREADS>
 __device__ __forceinline__ void load_tile_async(elem_t* smem, const elem_t* g, long long ss, int row0,
                                                 int rows_valid) {
-    constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
+    constexpr int CHUNKS = HEAD_DIM / CHUNK;  // 16-byte chunks per row
     for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
         int r = i / CHUNKS, c = i % CHUNKS;
-        bool ok = (row0 + r < rows_valid) && (c * 8 < HEAD_DIM_REAL);
-        const elem_t* src = ok ? g + (long long)(row0 + r) * ss + c * 8 : g;
-        cp_async16(smem + r * SMEM_ROW + c * 8, src, ok ? 16 : 0);
+        bool ok = (row0 + r < rows_valid) && (c * CHUNK < HEAD_DIM_REAL);
+        const elem_t* src = ok ? g + (long long)(row0 + r) * ss + c * CHUNK : g;
+        cp_async16(smem + r * SMEM_ROW + c * CHUNK, src, ok ? 16 : 0);
     }
 }
 
@@ -258,8 +275,63 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const elem_t
                  : "r"(s));
 }
 
-// ---- tensor cores: D += A(16x16) * B(16x8), fp32 accumulators -----------------------------------------
-__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+// ---- tensor cores: D += A(16 x MMA_K) * B(MMA_K x 8), fp32 accumulators -----------------------------------
+// mma takes the registers as loaded (ldmatrix, or accumulators packed): for fp16 / bf16 they go to the tensor
+// cores as they are; for float32, `operand` gives A's TF32 rounding to nearest (cvt.rna, as cuBLAS rounds) once
+// per k-step, and mma rounds B's, and for CSA_TF32X3 each also carries the TF32 rounding of what that left out,
+// so that big * big + big * small + small * big carries a float32 product to float32's rounding (split TF32;
+// small * small lies below it).
+#if CSA_DTYPE_F32
+template <int N>
+struct Operand {
+    unsigned big[N];
+#if CSA_TF32X3
+    unsigned small[N];
+#endif
+};
+
+__device__ __forceinline__ unsigned to_tf32(float x) {
+    unsigned r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+    return r;
+}
+// Operands from float32 values given by their bits (as shared-memory loads give them).
+template <int N>
+__device__ __forceinline__ Operand<N> operand(const unsigned (&bits)[N]) {
+    Operand<N> r;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const float x = __uint_as_float(bits[i]);
+        r.big[i] = to_tf32(x);
+#if CSA_TF32X3
+        r.small[i] = to_tf32(x - __uint_as_float(r.big[i]));
+#endif
+    }
+    return r;
+}
+
+__device__ __forceinline__ void mma_1688(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ __forceinline__ void mma(float (&d)[4], const Operand<4>& a, unsigned b0, unsigned b1) {
+    const Operand<2> b = operand<2>({b0, b1});
+#if CSA_TF32X3
+    // The small products first, while d is small, so that they are not lost beside the big one.
+    mma_1688(d, a.small, b.big);
+    mma_1688(d, a.big, b.small);
+#endif
+    mma_1688(d, a.big, b.big);
+}
+#else
+template <int N>
+__device__ __forceinline__ const unsigned (&operand(const unsigned (&bits)[N]))[N] {
+    return bits;
+}
+
+__device__ __forceinline__ void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." CSA_MMA_TYPES ".f32 "
                  "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -270,6 +342,7 @@ __device__ __forceinline__ unsigned pack_u32(float a, float b) {
     elem2_t v = pack2(a, b);
     return *reinterpret_cast<unsigned*>(&v);
 }
+#endif
 
 template <int N>
 __device__ __forceinline__ void zero(float (&x)[N][4]) {
@@ -278,20 +351,22 @@ __device__ __forceinline__ void zero(float (&x)[N][4]) {
 }
 
 // A warp's 16 rows of a [rows x HEAD_DIM] shared tile (Q in the forward; Q and dO, or K and V, in the
-// backward) as A fragments, one per 16-wide slice of the head dimension. IN_REGS keeps them in registers for
+// backward) as A fragments, one per MMA_K-wide slice of the head dimension. IN_REGS keeps them in registers for
 // the whole walk; otherwise they stay in shared memory and are loaded per slice, which leaves the registers to
-// the accumulators.
+// the accumulators. ldmatrix moves 16-bit pairs, so it serves float32 too: its 8 x 8 b16 matrices are 8 x 4
+// floats, thread (g, t) getting row g's float t, the TF32 A layout.
 template <bool IN_REGS>
 struct RowFrag {
-    unsigned a[IN_REGS ? HEAD_DIM / 16 : 1][4];
+    unsigned a[IN_REGS ? HEAD_DIM / MMA_K : 1][4];
     const elem_t* base;
 
-    // rows points at the warp's first row. Lanes 0-15 address rows 0-15 at column 0, lanes 16-31 at column 8.
+    // rows points at the warp's first row. Lanes 0-15 address rows 0-15 at column 0, lanes 16-31 at the
+    // second 16-byte chunk.
     __device__ __forceinline__ void load(const elem_t* rows, int lane) {
-        base = rows + (lane & 15) * SMEM_ROW + (lane >> 4) * 8;
+        base = rows + (lane & 15) * SMEM_ROW + (lane >> 4) * CHUNK;
         if constexpr (IN_REGS) {
 #pragma unroll
-            for (int kk = 0; kk < HEAD_DIM / 16; ++kk) ldmatrix_x4(a[kk], base + kk * 16);
+            for (int kk = 0; kk < HEAD_DIM / MMA_K; ++kk) ldmatrix_x4(a[kk], base + kk * MMA_K);
         }
     }
 
@@ -299,7 +374,7 @@ struct RowFrag {
         if constexpr (IN_REGS) {
             r[0] = a[kk][0], r[1] = a[kk][1], r[2] = a[kk][2], r[3] = a[kk][3];
         } else {
-            ldmatrix_x4(r, base + kk * 16);
+            ldmatrix_x4(r, base + kk * MMA_K);
         }
     }
 };
@@ -310,40 +385,62 @@ template <int N, class Frag>
 __device__ __forceinline__ void mma_ABt(float (&s)[N / 8][4], const Frag& a_frag, const elem_t* b_smem,
                                         int lane) {
     zero(s);
-    // ldmatrix x4 over B: matrices (rows 0-7, d 0-7), (rows 0-7, d 8-15), (rows 8-15, d 0-7), (rows 8-15, d 8-15)
-    const elem_t* base = b_smem + ((lane & 7) + ((lane >> 4) << 3)) * SMEM_ROW + ((lane >> 3) & 1) * 8;
+    // ldmatrix x4 over B: matrices (rows 0-7, chunk 0), (rows 0-7, chunk 1), (rows 8-15, chunk 0), (rows 8-15,
+    // chunk 1): the B operands of two n-tiles
+    const elem_t* base = b_smem + ((lane & 7) + ((lane >> 4) << 3)) * SMEM_ROW + ((lane >> 3) & 1) * CHUNK;
 #pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-        unsigned a[4];
-        a_frag.get(a, kk);
+    for (int kk = 0; kk < HEAD_DIM / MMA_K; ++kk) {
+        unsigned r[4];
+        a_frag.get(r, kk);
+        const auto& a = operand(r);
 #pragma unroll
         for (int n = 0; n < N; n += 16) {
             unsigned b[4];
-            ldmatrix_x4(b, base + n * SMEM_ROW + kk * 16);
-            mma_16816(s[n / 8], a, b[0], b[1]);
-            mma_16816(s[n / 8 + 1], a, b[2], b[3]);
+            ldmatrix_x4(b, base + n * SMEM_ROW + kk * MMA_K);
+            mma(s[n / 8], a, b[0], b[1]);
+            mma(s[n / 8 + 1], a, b[2], b[3]);
         }
     }
 }
 
-// o[d] (16 x 8 each, DW / 8 of them) += P(16 x K) B(K x DW): P from score-shaped accumulators (the C layout of
-// two adjacent n-tiles is the A layout of one k-step), B the first K rows of a shared tile from column
-// b_smem's, DW columns wide. P V in the forward; P^T dO, dS^T Q and dS K in the backward.
+// o[d] (16 x 8 each, DW / 8 of them) += P(16 x K) B(K x DW): P from score-shaped accumulators, B the first K
+// rows of a shared tile from column b_smem's, DW columns wide. P V in the forward; P^T dO, dS^T Q and dS K in
+// the backward.
+// fp16 / bf16: the C layout of two adjacent n-tiles is the A layout of one k-step, and ldmatrix x4 trans over B
+// gives matrices (rows 0-7, d 0-7), (rows 8-15, d 0-7), (rows 0-7, d 8-15), (rows 8-15, d 8-15).
+// float32: a TF32 A operand holds columns t and t + 4 where the accumulator holds 2t and 2t + 1; the product sums
+// over k in any order, so k-step kk takes n-tile kk's accumulators as they lie (its k = t is column 2t, k = t + 4
+// column 2t + 1) and B's rows in the same order, 2t and 2t + 1: single words (ldmatrix cannot transpose 32-bit
+// elements), rows two apart 8 banks apart (SMEM_ROW).
 template <int K, int DW>
 __device__ __forceinline__ void mma_AB(float (&o)[DW / 8][4], const float (&p)[K / 8][4], const elem_t* b_smem,
                                        int lane) {
-    // ldmatrix x4 trans over B: matrices (rows 0-7, d 0-7), (rows 8-15, d 0-7), (rows 0-7, d 8-15), (rows 8-15, d 8-15)
+#if CSA_DTYPE_F32
+    const elem_t* base = b_smem + 2 * (lane & 3) * SMEM_ROW + (lane >> 2);
+#else
     const elem_t* base = b_smem + ((lane & 7) + (((lane >> 3) & 1) << 3)) * SMEM_ROW + (lane >> 4) * 8;
+#endif
 #pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
+    for (int kk = 0; kk < K / MMA_K; ++kk) {
+#if CSA_DTYPE_F32
+        const Operand<4> a = operand<4>({__float_as_uint(p[kk][0]), __float_as_uint(p[kk][2]),
+                                         __float_as_uint(p[kk][1]), __float_as_uint(p[kk][3])});
+#else
         unsigned a[4] = {pack_u32(p[2 * kk][0], p[2 * kk][1]), pack_u32(p[2 * kk][2], p[2 * kk][3]),
                          pack_u32(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack_u32(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+#endif
 #pragma unroll
         for (int d = 0; d < DW / 8; d += 2) {
+            const elem_t* at = base + kk * MMA_K * SMEM_ROW + d * 8;
             unsigned b[4];
-            ldmatrix_x4_trans(b, base + kk * 16 * SMEM_ROW + d * 8);
-            mma_16816(o[d], a, b[0], b[1]);
-            mma_16816(o[d + 1], a, b[2], b[3]);
+#if CSA_DTYPE_F32
+            b[0] = __float_as_uint(at[0]), b[1] = __float_as_uint(at[SMEM_ROW]);
+            b[2] = __float_as_uint(at[8]), b[3] = __float_as_uint(at[SMEM_ROW + 8]);
+#else
+            ldmatrix_x4_trans(b, at);
+#endif
+            mma(o[d], a, b[0], b[1]);
+            mma(o[d + 1], a, b[2], b[3]);
         }
     }
 }

@@ -41,7 +41,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     zero(o);
     OnlineSoftmax sm;
     sm.init();
-    RowFrag<(HEAD_DIM <= 128)> qf;
+    RowFrag<(ROW_BYTES <= 256)> qf;
 
     if (count > 0) load_tile_async<TILE_M, THREADS>(q_smem, p.q + b * p.q_sb + h * p.q_sh, p.q_ss, q_tile0, p.seq_q);
     pipeline2(

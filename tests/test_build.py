@@ -167,7 +167,7 @@ def test_only_the_hopper_forward_sleeps_between_tries_of_a_barrier_wait():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"dtype": "float32"}, "dtype"),
+        ({"dtype": "float64"}, "dtype"),
         ({"rule_mode": "bogus"}, "rule_mode"),
         ({"rule_mode": "expr"}, "rule_expr"),
         ({"kernel": "sideways"}, "kernel"),

@@ -194,4 +194,6 @@ def test_info_says_which_kernels_each_gpu_runs(monkeypatch, fused):
     backward = "dQ and dK/dV passes (CUSPARSEATTN_FUSED_BACKWARD=0)" if fused else "fused"
     hopper = "  kernels: Hopper (TMA, wgmma) for head dims (64, 128), else portable"
     assert lines[2] == f"{hopper}; backward: {backward}"
-    assert lines[4].startswith("  kernels: portable (mma.sync); not Hopper: the Hopper kernels need")
+    assert lines[3] == f"  float32: {devices.FLOAT32_ON_HOPPER}"
+    assert lines[5].startswith("  kernels: portable (mma.sync); not Hopper: the Hopper kernels need")
+    assert lines[6].startswith("  float32 precision: high; torch tensors: torch.get_float32_matmul")

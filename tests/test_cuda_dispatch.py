@@ -638,3 +638,38 @@ def test_a_launch_builds_its_arguments_once_per_tuple_of_addresses(launches, mon
     before = len(encoded)
     launch(0x40000000)
     assert len(encoded) - before == maps
+
+
+@pytest.mark.parametrize("precision", ["high", "highest"])
+def test_float32_runs_the_portable_passes_on_hopper_at_its_precision(launches, monkeypatch, precision):
+    monkeypatch.setattr(devices, "compute_capability", lambda device: 90)
+    monkeypatch.setenv("CUSPARSEATTN_FUSED_BACKWARD", "1")
+    seq, dim = 200, 128
+    q, dout, out, dq = (Holder((1, 4, seq, dim), "float32", address=0x1000 * (i + 1)) for i in range(4))
+    k, v, dk, dv = (Holder((1, 2, seq, dim), "float32", address=0x10000 * (i + 1)) for i in range(4))
+    lse = Holder((1, 4, seq), dtype="float32", address=0x100000)
+    # No fused backward for float32: the two passes' scratch, two statistics rows.
+    stats = Holder(cuda.stats_shape(q.shape, 0, "float32"), dtype="float32", address=0x200000)
+    assert stats.shape == (1, 4, 2, 256) and cuda.stats_shape(q.shape, 0)[2] == 2 + dim + 1
+    layout = patterns.causal(block=64).layout(seq)
+    cuda.forward(q, k, v, out, lse, layout, 0.1, precision=precision)
+    cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, layout, 0.1, precision=precision)
+    tag = {"high": "tf32", "highest": "tf32x3"}[precision]
+    names = [name for name, *_ in launches]
+    assert [name.split(f"_{tag}_d128_")[0] for name in names] == ["forward", "backward_dq", "backward_dkdv"]
+    for (name, _, _, _, shared, _), kernel in zip(launches, build.FLOAT32_KERNELS, strict=True):
+        tiles = tuning.tile_config(kernel, dim, itemsize=4, highest=precision == "highest")
+        assert f"q{tiles[0]}k{tiles[1]}w{tiles[2]}" in name
+        assert shared == tuning.shared_bytes(kernel, dim, tiles, 4) <= 227 * 1024
+    # The kernels read every float32 row as the half ones do: strides in elements.
+    assert launches[0][3][0]["q_ss"] == dim
+
+
+def test_float32_reasons_name_the_portable_kernels_on_hopper(monkeypatch):
+    monkeypatch.setattr(devices, "compute_capability", lambda device: 90)
+    monkeypatch.delenv("CUSPARSEATTN_HOPPER", raising=False)
+    q = Holder((1, 2, 128, 64), "float32")
+    assert devices.reasons("float32", 64) == []
+    assert devices.hopper_reasons(q, q, q) == [devices.FLOAT32_ON_HOPPER]
+    assert devices.hopper_reasons(Holder((1, 2, 128, 64)), q, q) == []
+    assert "float64" in devices.reasons("float64", 64)[0]

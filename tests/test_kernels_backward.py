@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from kernel_cases import (
     BANDS,
     DTYPES,
+    FLOAT32_BOUNDS,
     _torch,
     band_pattern,
     cases,
@@ -33,13 +34,17 @@ from cusparseattn.testing import backward_refs, check_close, poisoned, random_qk
 pytestmark = pytest.mark.gpu
 
 
-def assert_backward_matches(q, k, v, layout, dtype, rng, scale=None):
+def assert_backward_matches(q, k, v, layout, dtype, rng, scale=None, precision="high"):
+    """The kernels' gradients against the references; float32's at `precision`, bounded by the reference
+    of FLOAT32_BOUNDS' dtype."""
     dout = rng.standard_normal(q.shape).astype(q.dtype)
-    out, lse = run_forward(q, k, v, layout, scale)
-    dq, dk, dv, stats = run_backward(dout, q, k, v, out, lse, layout, scale)
-    ref64, low = backward_refs(dout, q, k, v, layout, scale=scale)
+    out, lse = run_forward(q, k, v, layout, scale, precision)
+    dq, dk, dv, stats = run_backward(dout, q, k, v, out, lse, layout, scale, precision)
+    bound = FLOAT32_BOUNDS[precision] if dtype == "float32" else None
+    ref64, low = backward_refs(dout, q, k, v, layout, scale=scale, low=bound)
     for name, got, want, want_low in zip(("dq", "dk", "dv"), (dq, dk, dv), ref64, low, strict=True):
-        check_close(name, got, want, want_low, dtype=dtype)
+        assert got.dtype == q.dtype, name
+        check_close(name, got, want, want_low, dtype=bound or dtype)
     # The dQ pass's statistics of the kernel's own out and lse: delta = rowsum(dout * out) and lse * log2(e),
     # +inf for rows that attend to nothing.
     seq_q = q.shape[2]
@@ -58,6 +63,27 @@ def test_backward_matches_reference(case):
     q, k, v = random_qkv(rng, batch, hkv * group, hkv, seq_q, seq_k, head_dim, np_dtype(dtype), order)
     layout = layout_for(kind, rng, batch, hkv * group, seq_q, seq_k, block)
     assert_backward_matches(q, k, v, layout, dtype, rng)
+
+
+@pytest.mark.parametrize("precision", list(FLOAT32_BOUNDS))
+@settings(max_examples=30, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(max_seq=300, dtypes=("float32",)))
+def test_float32_backward_matches_reference(precision, case):
+    dtype, head_dim, hkv, group, seq_q, seq_k, block, kind, order, seed = case
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, 2, hkv * group, hkv, seq_q, seq_k, head_dim, np.float32, order)
+    layout = layout_for(kind, rng, 2, hkv * group, seq_q, seq_k, block)
+    assert_backward_matches(q, k, v, layout, dtype, rng, precision=precision)
+
+
+def test_float32_runs_the_portable_backward_on_hopper(monkeypatch):
+    """The dQ and dK/dV passes of the portable kernels, not the fused Hopper backward (half precision)."""
+    launched = hopper_path(monkeypatch, hopper=True)
+    monkeypatch.setenv("CUSPARSEATTN_FUSED_BACKWARD", "1")
+    rng = np.random.default_rng(9)
+    q, k, v = random_qkv(rng, 1, 4, 2, 300, 300, 64, np.float32)
+    assert_backward_matches(q, k, v, patterns.causal(block=64).layout(300), "float32", rng)
+    assert launched == ["forward", "backward_dq", "backward_dkdv"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

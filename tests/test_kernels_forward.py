@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from kernel_cases import (
     BANDS,
     DTYPES,
+    FLOAT32_BOUNDS,
     _torch,
     band_pattern,
     cases,
@@ -48,6 +49,47 @@ def test_forward_matches_reference(case):
     q, k, v = random_qkv(rng, batch, hkv * group, hkv, seq_q, seq_k, head_dim, np_dtype(dtype), order)
     layout = layout_for(kind, rng, batch, hkv * group, seq_q, seq_k, block)
     assert_matches(q, k, v, layout, dtype)
+
+
+@pytest.mark.parametrize("precision", list(FLOAT32_BOUNDS))
+@settings(max_examples=30, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(dtypes=("float32",)))
+def test_float32_forward_matches_reference(precision, case):
+    """float32 on TF32 tensor cores ("high": within twice the error of float16-rounded inputs, TF32's 10 bits
+    of mantissa) and in split TF32 ("highest": within twice the float32 reference's error)."""
+    dtype, head_dim, hkv, group, seq_q, seq_k, block, kind, order, seed = case
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, 2, hkv * group, hkv, seq_q, seq_k, head_dim, np.float32, order)
+    layout = layout_for(kind, rng, 2, hkv * group, seq_q, seq_k, block)
+    out, lse = run_forward(q, k, v, layout, precision=precision)
+    assert out.dtype == np.float32
+    bound = FLOAT32_BOUNDS[precision]
+    (out64, lse64), (out_lo, lse_lo) = forward_refs(q, k, v, layout, low=bound)
+    check_close("out", out, out64, out_lo, dtype=bound)
+    check_close("lse", lse, lse64, lse_lo, dtype="float32")
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_float32_highest_is_float32s_rounding_and_high_is_tf32s(head_dim):
+    """The two precisions are what they say: "highest" within 1e-5 of float64 where TF32 is a thousand times
+    further (its 10 bits of mantissa)."""
+    rng = np.random.default_rng(3)
+    q, k, v = random_qkv(rng, 1, 4, 2, 333, 333, head_dim, np.float32)
+    layout = patterns.causal(block=64).layout(333)
+    (out64, _), _ = forward_refs(q, k, v, layout)
+    errors = {p: np.abs(run_forward(q, k, v, layout, precision=p)[0] - out64).max() for p in FLOAT32_BOUNDS}
+    assert errors["highest"] < 1e-5 < 1e-4 < errors["high"] < 1e-2, errors
+
+
+def test_float32_runs_the_portable_forward_on_hopper(monkeypatch):
+    launched = hopper_path(monkeypatch, hopper=True)
+    rng = np.random.default_rng(5)
+    q, k, v = random_qkv(rng, 1, 2, 2, 256, 256, 128, np.float32)
+    layout = patterns.causal(block=128).layout(256)
+    out, _ = run_forward(q, k, v, layout)
+    assert launched == ["forward"]
+    (out64, _), (out_lo, _) = forward_refs(q, k, v, layout, low="float16")
+    check_close("out", out, out64, out_lo, dtype="float16")
 
 
 @pytest.mark.parametrize("narrow", [True, False], ids=["int", "long_long"])

@@ -2,6 +2,7 @@
 CuPy arrays, torch CUDA tensors (eager autograd and ``torch.compile``) and JAX GPU arrays run it in CuPy on
 their GPU. Its answers are the NumPy reference's: float64 to rounding, float32 at most twice as far from
 float64 as the host's float32 reference is (the STYLE rule). Not one byte goes from the device to the host.
+float64 chooses it; float32 chooses the kernels (tests/test_kernels_*.py), so its calls here ask for it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from cusparseattn.testing import check_close, random_qkv
 pytestmark = pytest.mark.gpu
 
 DTYPES = ["float32", "float64"]
+# The backend these tests ask for: float64 GPU arrays choose the reference, float32 ones the kernels.
+BACKEND = {"float32": "reference", "float64": None}
 
 
 def random_layout(seq_q, seq_k, heads, seed=3, block=32):
@@ -127,10 +130,17 @@ def test_cupy_arrays_choose_the_reference_on_the_gpu_without_a_warning(dtype, no
     host, layout, mod = host_case("rule_empty_rows_alibi", dtype)
     dout, q, k, v = (cupy.asarray(x) for x in host)
     device = f"cuda:{q.device.id}"
-    assert backends.runs_on(q, k, v, layout, score_mod=mod) == f"reference (CuPy, on {device})"
+    chosen = f"reference (CuPy, on {device})"
+    if dtype == "float32":
+        assert backends.runs_on(q, k, v, layout, score_mod=mod).startswith(f"cuda ({device}, float32 on TF32")
+        with backends.use_backends("reference"):
+            assert backends.runs_on(q, k, v, layout, score_mod=mod) == chosen
+    else:
+        assert backends.runs_on(q, k, v, layout, score_mod=mod) == chosen
     assert backends.why_not(q, k, v, layout, score_mod=mod)["reference"] == []
-    out, lse = ca.attention_forward(q, k, v, layout, score_mod=mod)
-    grads = ca.attention_backward(dout, q, k, v, out, lse, layout, score_mod=mod)
+    backend = BACKEND[dtype]
+    out, lse = ca.attention_forward(q, k, v, layout, score_mod=mod, backend=backend)
+    grads = ca.attention_backward(dout, q, k, v, out, lse, layout, score_mod=mod, backend=backend)
     assert isinstance(out, cupy.ndarray) and out.dtype == q.dtype
     assert lse.dtype == (np.float64 if dtype == "float64" else np.float32)
     assert_like_host([x.get() for x in (out, lse, *grads)], host_refs(host, layout, mod, dtype), dtype)
@@ -155,8 +165,11 @@ def torch_step(attend, host, dtype):
 @pytest.mark.parametrize("case", list(CASES))
 def test_torch_cuda_tensors_train_on_the_reference_on_the_gpu(case, dtype, no_fallback, small_bands):
     host, layout, mod = host_case(case, dtype)
+    backend = BACKEND[dtype]
     results = torch_step(
-        lambda q, k, v: ca.attention(q, k, v, layout, score_mod=mod, return_lse=True), host, dtype
+        lambda q, k, v: ca.attention(q, k, v, layout, score_mod=mod, return_lse=True, backend=backend),
+        host,
+        dtype,
     )
     assert_like_host([to_host(t) for t in results], host_refs(host, layout, mod, dtype), dtype)
 
@@ -168,7 +181,7 @@ def test_torch_compile_takes_float32_and_float64_cuda_tensors(dtype, no_fallback
 
     @torch.compile(fullgraph=True)
     def attend(q, k, v):
-        return ca.attention(q, k, v, layout, score_mod=mod, return_lse=True)
+        return ca.attention(q, k, v, layout, score_mod=mod, return_lse=True, backend=BACKEND[dtype])
 
     results = torch_step(attend, host, dtype)
     assert results[1].dtype == (torch.float64 if dtype == "float64" else torch.float32)
@@ -191,7 +204,7 @@ def test_jax_gpu_arrays_run_the_reference_on_xla_buffers(dtype, request, no_fall
     dout, q, k, v = (jax.device_put(np.ascontiguousarray(x), gpus[0]) for x in host)
 
     def loss(q, k, v):
-        out, lse = ca_jax.attention(q, k, v, layout, score_mod=mod, return_lse=True)
+        out, lse = ca_jax.attention(q, k, v, layout, score_mod=mod, return_lse=True, backend=BACKEND[dtype])
         return (out * dout).sum(), (out, lse)
 
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))

@@ -1,0 +1,82 @@
+"""float32's precision on the kernels, without a GPU: which one a call takes (the library's switch,
+PyTorch's), that plans key it, and the specs it builds (tf32 or split tf32, the portable passes only, tiles
+that fit)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cusparseattn import build, call, plans, tuning
+
+
+@pytest.fixture
+def unset(monkeypatch):
+    monkeypatch.delenv("CUSPARSEATTN_FLOAT32_PRECISION", raising=False)
+
+
+def test_the_library_switch_sets_the_precision(unset, monkeypatch):
+    assert call.float32_precision("numpy") == call.float32_precision("cupy") == "high"
+    monkeypatch.setenv("CUSPARSEATTN_FLOAT32_PRECISION", "highest")
+    assert call.float32_precision("cupy") == call.float32_precision("jax") == "highest"
+    monkeypatch.setenv("CUSPARSEATTN_FLOAT32_PRECISION", "fast")
+    with pytest.raises(ValueError, match="must be 'high' or 'highest', got 'fast'"):
+        call.float32_precision("numpy")
+
+
+@pytest.mark.parametrize(
+    ("torch_precision", "ours"), [("highest", "highest"), ("high", "high"), ("medium", "high")]
+)
+def test_torch_tensors_follow_torchs_switch(unset, monkeypatch, torch_precision, ours):
+    torch = pytest.importorskip("torch")
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision(torch_precision)
+        assert call.float32_precision("torch") == ours
+        q = torch.ones(1, 2, 16, 8)
+        assert call.prepare(q, q, q, None, causal=False, scale=None).precision == ours
+        q64 = q.double()
+        assert call.prepare(q64, q64, q64, None, causal=False, scale=None).precision == "high"
+        monkeypatch.setenv("CUSPARSEATTN_FLOAT32_PRECISION", "high")  # set, the library's switch wins
+        assert call.float32_precision("torch") == "high"
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def test_plans_key_the_precision(unset, monkeypatch):
+    q = np.ones((1, 2, 16, 8), np.float32)
+    first = plans.forward(q, q, q)
+    assert plans.forward(q, q, q) is first
+    monkeypatch.setenv("CUSPARSEATTN_FLOAT32_PRECISION", "highest")
+    assert plans.forward(q, q, q) is not first
+
+
+def test_float32_specs_name_their_precision_and_take_the_portable_passes():
+    high = build.KernelSpec.make("forward", "float32", 64)
+    highest = build.KernelSpec.make("forward", "float32", 64, precision="highest")
+    assert high.name.startswith("forward_tf32_d64_") and highest.name.startswith("forward_tf32x3_d64_")
+    assert "#define CSA_DTYPE_F32 1" in high.prelude() and "#define CSA_TF32X3 0" in high.prelude()
+    assert "#define CSA_TF32X3 1" in highest.prelude()
+    assert "#define CSA_DTYPE_F32 0" in build.KernelSpec.make("forward", "bfloat16", 64).prelude()
+    assert high.shared_bytes == tuning.shared_bytes("forward", 64, high.tiles, 4) == 272 * (128 + 2 * 2 * 64)
+    with pytest.raises(ValueError, match="float32 runs the passes"):
+        build.KernelSpec.make("forward_sm90", "float32", 64, tiles=(128, 128, 12))
+    with pytest.raises(ValueError, match="precision 'highest' is float32's"):
+        build.KernelSpec.make("forward", "bfloat16", 64, precision="highest")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        build.KernelSpec.make("forward", "float32", 64, precision="medium")
+
+
+@pytest.mark.parametrize("highest", [False, True])
+@pytest.mark.parametrize("kernel", build.FLOAT32_KERNELS)
+def test_float32_tiles_fit_every_device(kernel, highest):
+    """An H100's 227 KiB, an A100's 163 and sm_86/89's 99: each takes tiles of its table that fit, each head
+    dim, and the largest device the first fitting ones."""
+    for head_dim in (8, 32, 64, 96, 128, 200, 256):
+        for max_shared in (227 * 1024, 163 * 1024, 99 * 1024):
+            tiles = tuning.tile_config(kernel, head_dim, max_shared, itemsize=4, highest=highest)
+            assert tuning.shared_bytes(kernel, head_dim, tiles, 4) <= max_shared
+            tm, tn, warps = tiles
+            assert (tm if kernel != "backward_dkdv" else tn) == 16 * warps
+    with pytest.raises(ValueError, match="takes 2-byte elements"):
+        tuning.tile_config("forward_sm90", 64, itemsize=4)
