@@ -101,11 +101,11 @@ def poisoned(like, shape=None, dtype=None):
     return native
 
 
-def check_close(name, got, ref64, low_ref, *, dtype):
+def check_close(name, got, ref64, low_ref, *, dtype, atol=None):
     """Assert that ``got`` is as close to ``ref64`` as the low-precision reference ``low_ref`` is, or closer.
 
     Passes when ``max|got - ref64| <= 2 * max|low_ref - ref64| + atol`` and the same for the mean, over the
-    finite elements of ``ref64``; ``atol`` comes from `ATOL` by ``dtype`` (the kernel's input dtype).
+    finite elements of ``ref64``; ``atol`` defaults to `ATOL` by ``dtype`` (the kernel's input dtype).
     Non-finite values must match exactly (``-inf`` in an empty row's lse), and NaN never passes. The failure
     message gives ``diff_max``, the low-precision reference's own error and where the worst element is.
     """
@@ -130,7 +130,7 @@ def check_close(name, got, ref64, low_ref, *, dtype):
         return
     err = np.abs(np.where(finite, got, 0) - np.where(finite, ref64, 0))
     low_err = np.abs(low_ref[finite] - ref64[finite])
-    atol = ATOL[dtype]
+    atol = ATOL[dtype] if atol is None else atol
     diff_max, diff_mean = err.max(), err[finite].mean()
     tol_max, tol_mean = 2 * low_err.max() + atol, 2 * low_err.mean() + atol
     if diff_max > tol_max or diff_mean > tol_mean:

@@ -28,7 +28,7 @@ constexpr int Q_ELEMS = TILE_M * SMEM_ROW;
 constexpr int SMEM_BYTES = (2 * KV_ELEMS + 2 * 2 * Q_ELEMS) * sizeof(elem_t) + 2 * 2 * TILE_M * sizeof(float);
 static_assert(SMEM_BYTES == SHARED_BYTES, "the builder launches with the kernel's shared memory size");
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void CSA_LAUNCH_BOUNDS
     csa_backward_dkdv(const __grid_constant__ Params p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* k_smem = reinterpret_cast<elem_t*>(smem_raw);

@@ -18,7 +18,7 @@ constexpr int KV_ELEMS = TILE_N * SMEM_ROW;
 constexpr int SMEM_BYTES = (2 * Q_ELEMS + 2 * 2 * KV_ELEMS) * sizeof(elem_t);
 static_assert(SMEM_BYTES == SHARED_BYTES, "the builder launches with the kernel's shared memory size");
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void CSA_LAUNCH_BOUNDS
     csa_backward_dq(const __grid_constant__ Params p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     elem_t* q_smem = reinterpret_cast<elem_t*>(smem_raw);

@@ -49,6 +49,13 @@ __device__ __forceinline__ float2 unpack2(elem2_t x) { return __half22float2(x);
 #ifndef CSA_TF32X3
 #define CSA_TF32X3 0
 #endif
+// The portable passes' launch bounds. float32's fragments take twice fp16's registers, and ptxas's own target
+// at 128 threads (168 registers on sm_90) spills some of its passes: one block per SM lets it take what it needs.
+#if CSA_DTYPE_F32
+#define CSA_LAUNCH_BOUNDS __launch_bounds__(THREADS, 1)
+#else
+#define CSA_LAUNCH_BOUNDS __launch_bounds__(THREADS)
+#endif
 
 // log2(e): scores are scaled by scale * LOG2E once so that exp(x) becomes exp2 of an FMA result.
 constexpr float LOG2E = 1.4426950408889634f;

@@ -321,7 +321,8 @@ def test_on_a_gpu_the_reference_runs_in_cupy_and_ignores_bad_entries():
     out, lse = reference.forward(*(cupy.asarray(x) for x in (q, k, v)), lay, precision=np.float64)
     assert isinstance(out, cupy.ndarray)
     np.testing.assert_allclose(cupy.asnumpy(out), want, atol=1e-12)
-    np.testing.assert_array_equal(cupy.asnumpy(lse), want_lse)
+    # -inf where a row attends to nothing; elsewhere CuPy's exp and log may round the last bit otherwise.
+    np.testing.assert_allclose(cupy.asnumpy(lse), want_lse, rtol=1e-14, atol=0)
     # torch CUDA tensors: the call reads nothing on the device (bad entries are ignored, not refused)
     tq, tk, tv = (torch.tensor(x, device="cuda") for x in (q, k, v))
     t_lay = case.layout(torch.tensor(idx, device="cuda"), torch.tensor(counts, device="cuda"))

@@ -41,10 +41,14 @@ def assert_backward_matches(q, k, v, layout, dtype, rng, scale=None, precision="
     out, lse = run_forward(q, k, v, layout, scale, precision)
     dq, dk, dv, stats = run_backward(dout, q, k, v, out, lse, layout, scale, precision)
     bound = FLOAT32_BOUNDS[precision] if dtype == "float32" else None
+    # Split TF32 keeps about 21 of float32's 24 bits in a product (its low halves' product is dropped): where
+    # the float32 reference cancels exactly (dP - delta of a row with one key, at head dim 256) the kernel's
+    # gradients are off by up to 2^-21 of the dot product's magnitudes, 1.2e-5 on standard-normal inputs.
+    atol = 4e-5 if dtype == "float32" and precision == "highest" else None
     ref64, low = backward_refs(dout, q, k, v, layout, scale=scale, low=bound)
     for name, got, want, want_low in zip(("dq", "dk", "dv"), (dq, dk, dv), ref64, low, strict=True):
         assert got.dtype == q.dtype, name
-        check_close(name, got, want, want_low, dtype=bound or dtype)
+        check_close(name, got, want, want_low, dtype=bound or dtype, atol=atol)
     # The dQ pass's statistics of the kernel's own out and lse: delta = rowsum(dout * out) and lse * log2(e),
     # +inf for rows that attend to nothing.
     seq_q = q.shape[2]
