@@ -163,7 +163,7 @@ def _gpu_lines() -> list[str]:
             f"backward: {backward}"
         )
         lines.append(f"  float32: {devices.FLOAT32_ON_HOPPER}")
-    precision = env.float32_precision() or "high; torch tensors: torch.get_float32_matmul_precision()"
+    precision = env.float32_precision() or "high; torch, jax: their float32 matmul precision"
     lines.append(f"  float32 precision: {precision} (CUSPARSEATTN_FLOAT32_PRECISION)")
     return lines
 

@@ -217,17 +217,27 @@ class Inputs:
 def float32_precision(framework: str) -> str:
     """How the kernels multiply float32 inputs of `framework`: "high" (TF32 tensor cores) or "highest" (split
     TF32, float32's rounding). CUSPARSEATTN_FLOAT32_PRECISION where it is set; else PyTorch tensors follow
-    ``torch.get_float32_matmul_precision()`` ("highest" is "highest"; "high" and "medium" are TF32), and
-    other arrays take "high", as JAX's default matmul precision on a GPU does.
+    ``torch.get_float32_matmul_precision()`` ("highest" is "highest"; "high" and "medium" are TF32), JAX
+    arrays ``jax.default_matmul_precision`` ("highest" and "float32" are "highest"; unset, the default, is
+    TF32 as JAX's on a GPU), and other arrays take "high".
 
     >>> float32_precision("numpy")
     'high'
     """
     chosen = env.float32_precision()
-    if chosen is None and framework == "torch":
+    if chosen is not None:
+        return chosen
+    if framework == "torch":
         highest = sys.modules["torch"].get_float32_matmul_precision() == "highest"
-        return "highest" if highest else "high"
-    return chosen or "high"
+    elif framework == "jax":
+        highest = sys.modules["jax"].config.jax_default_matmul_precision in _JAX_HIGHEST
+    else:
+        highest = False
+    return "highest" if highest else "high"
+
+
+# jax.default_matmul_precision's names of float32's own rounding: its precision and its dot algorithms'.
+_JAX_HIGHEST = ("highest", "float32", "F32_F32_F32", "TF32_TF32_F32_X3")
 
 
 def score_mod_name(score_mod) -> str:

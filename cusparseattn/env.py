@@ -12,8 +12,8 @@
 - ``CUSPARSEATTN_FLOAT32_PRECISION=high|highest``: how the kernels multiply float32 inputs. ``high`` on TF32
   tensor cores (10 bits of mantissa, as cuBLAS's TF32); ``highest`` in split TF32, three products a multiply,
   to float32's rounding. Unset: PyTorch tensors follow ``torch.get_float32_matmul_precision()`` (its
-  ``"highest"``, PyTorch's default, is ``highest``; ``"high"`` and ``"medium"`` are ``high``), other arrays
-  take ``high``.
+  ``"highest"``, PyTorch's default, is ``highest``; ``"high"`` and ``"medium"`` are ``high``), JAX arrays
+  ``jax.default_matmul_precision`` (``"highest"`` or ``"float32"`` is ``highest``), others take ``high``.
 """
 
 from __future__ import annotations

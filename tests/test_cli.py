@@ -196,4 +196,4 @@ def test_info_says_which_kernels_each_gpu_runs(monkeypatch, fused):
     assert lines[2] == f"{hopper}; backward: {backward}"
     assert lines[3] == f"  float32: {devices.FLOAT32_ON_HOPPER}"
     assert lines[5].startswith("  kernels: portable (mma.sync); not Hopper: the Hopper kernels need")
-    assert lines[6].startswith("  float32 precision: high; torch tensors: torch.get_float32_matmul")
+    assert lines[6].startswith("  float32 precision: high; torch, jax: their float32 matmul precision")

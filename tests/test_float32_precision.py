@@ -1,6 +1,6 @@
 """float32's precision on the kernels, without a GPU: which one a call takes (the library's switch,
-PyTorch's), that plans key it, and the specs it builds (tf32 or split tf32, the portable passes only, tiles
-that fit)."""
+PyTorch's, JAX's), that plans key it, and the specs it builds (tf32 or split tf32, the portable passes
+only, tiles that fit)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,26 @@ def test_the_library_switch_sets_the_precision(unset, monkeypatch):
     monkeypatch.setenv("CUSPARSEATTN_FLOAT32_PRECISION", "fast")
     with pytest.raises(ValueError, match="must be 'high' or 'highest', got 'fast'"):
         call.float32_precision("numpy")
+
+
+@pytest.mark.parametrize(
+    ("jax_precision", "ours"),
+    [
+        (None, "high"),
+        ("default", "high"),
+        ("tensorfloat32", "high"),
+        ("float32", "highest"),
+        ("highest", "highest"),
+    ],
+)
+def test_jax_arrays_follow_jaxs_switch(unset, monkeypatch, jax_precision, ours):
+    jax = pytest.importorskip("jax")
+    with jax.default_matmul_precision(jax_precision):
+        assert call.float32_precision("jax") == ours
+        q = jax.numpy.ones((1, 2, 16, 8), np.float32)
+        assert call.prepare(q, q, q, None, causal=False, scale=None).precision == ours
+        monkeypatch.setenv("CUSPARSEATTN_FLOAT32_PRECISION", "high")  # set, the library's switch wins
+        assert call.float32_precision("jax") == "high"
 
 
 @pytest.mark.parametrize(
