@@ -289,4 +289,4 @@ def tile_config(
     raise ValueError(f"head dim {head_dim} is larger than the kernels' {max(table)}")
 
 
-# The kernels' `Params` struct (kernels/common.cuh), field by field, in order. align=True gives C's layout.
+# The kernels' `Params` struct (kernels/params.cuh), field by field, in order. align=True gives C's layout.

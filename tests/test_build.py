@@ -51,10 +51,10 @@ def test_a_band_rule_defines_its_bounds():
 
 
 def test_params_struct_matches_the_header():
-    """Every field of the NumPy mirror appears in kernels/common.cuh's Params, in the same order."""
+    """Every field of the NumPy mirror appears in kernels/params.cuh's Params, in the same order."""
     from cusparseattn import env
 
-    header = (env.kernels_dir() / "common.cuh").read_text()
+    header = (env.kernels_dir() / "params.cuh").read_text()
     body = header[header.index("struct Params {") + 15 : header.index("};", header.index("struct Params {"))]
     body = re.sub(r"//[^\n]*", "", body)
     fields = []

@@ -197,7 +197,7 @@ def test_both_kernels_of_a_hopper_gpu(hopper, kind, head_dim, dtype, monkeypatch
 @pytest.mark.parametrize("rule", BANDS)
 def test_the_backward_masks_a_band_by_its_bounds(rule, path, monkeypatch):
     """The backward passes mask a partial tile that the rule alone decides from each row's two ends
-    (common.cuh's band_bits) where the rule is one run of queries a key (rules.query_band: the dK/dV passes'
+    (masking.cuh's band_bits) where the rule is one run of queries a key (rules.query_band: the dK/dV passes'
     and the fused pass's rows are keys) or of keys a query (the dQ passes'): the fused Hopper pass, the two
     Hopper passes and the portable ones, on kernel_cases.band_pattern's rules; ragged lengths, GQA."""
     from cusparseattn.rules import key_band, query_band

@@ -187,7 +187,7 @@ def test_both_kernels_of_a_hopper_gpu(hopper, kind, head_dim, dtype, monkeypatch
 def test_the_hopper_forward_takes_wide_tiles(kind, block, seq_q, seq_k, head_dim, monkeypatch):
     """tuning.WIDE_TILES, taken here wherever they may run: 192 query rows a tile at head dim 64 (three
     consumers), 192 keys at 128 (96 mask bits a thread, one Q buffer). Tiles that cross the layout's blocks,
-    whose warps each mask their own rows (common.cuh's TileMask: whole, empty, by the rule or by bits); ragged
+    whose warps each mask their own rows (masking.cuh's TileMask: whole, empty, by rule or bits); ragged
     keys (333) or whole key tiles (512), padded query tiles (400), GQA, a [B, S, H, D] view, CTAs that walk
     many items in turn (3 SMs) or one each. A layout's bit masks keep 128 x 128."""
     from cusparseattn import cuda, devices, gpu_tables
@@ -232,7 +232,7 @@ def test_the_wide_hopper_forward_lets_a_row_max_lag(kind, dtype, monkeypatch):
 @pytest.mark.parametrize("rule", BANDS)
 def test_the_hopper_forward_masks_a_band_by_its_bounds(rule, head_dim, wide, monkeypatch):
     """Rules that are one run of keys a query (rules.key_band: kernel_cases.band_pattern) mask the rows of a
-    tile that the rule alone decides from their first and last keys (common.cuh's hide_outside_band); key
+    tile that the rule alone decides from their first and last keys (masking.cuh's hide_outside_band); key
     tiles of 128 and 192 (two words a row), ragged lengths, GQA."""
     from cusparseattn import cuda
     from cusparseattn.rules import key_band
