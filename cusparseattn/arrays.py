@@ -477,6 +477,12 @@ class FixedTensor(_Described):
         return super().stream if self._stream is None else self._stream
 
 
+def _element_type(name: str) -> np.dtype:
+    """The NumPy dtype of a dtype's name: the attention dtypes' (bfloat16's from ml_dtypes), or NumPy's own
+    (a dynamic layout's int32 indices)."""
+    return DTYPES[name] if name in DTYPES else np.dtype(name)
+
+
 class XlaBuffer(FixedTensor):
     """One operand or result of an XLA call on a GPU, as a ``jax.experimental.buffer_callback`` hands it over:
     XLA's device memory, seen through its ``__cuda_array_interface__``, and XLA's stream to launch on.
@@ -499,7 +505,7 @@ class XlaBuffer(FixedTensor):
         interface = native.__cuda_array_interface__
         shape = tuple(interface["shape"])
         strides = interface.get("strides")
-        itemsize = DTYPES[dtype].itemsize
+        itemsize = _element_type(dtype).itemsize
         strides = contiguous_strides(shape) if strides is None else tuple(s // itemsize for s in strides)
         device = ("cuda", native.__dlpack_device__()[1])
         super().__init__(native, name, shape, strides, dtype, device, interface["data"][0], stream)
@@ -508,10 +514,11 @@ class XlaBuffer(FixedTensor):
         import cupy
 
         # From the address, not the interface: CuPy would synchronise with a stream the interface names.
-        size = max(1, math.prod(self.shape)) * DTYPES[self.dtype].itemsize
+        kind = _element_type(self.dtype)
+        size = max(1, math.prod(self.shape)) * kind.itemsize
         memory = cupy.cuda.UnownedMemory(self.data_ptr, size, self.native, self.device[1])
-        strides = tuple(s * DTYPES[self.dtype].itemsize for s in self.strides)
-        return cupy.ndarray(self.shape, DTYPES[self.dtype], cupy.cuda.MemoryPointer(memory, 0), strides)
+        strides = tuple(s * kind.itemsize for s in self.strides)
+        return cupy.ndarray(self.shape, kind, cupy.cuda.MemoryPointer(memory, 0), strides)
 
     def from_cupy(self, arr):
         """A CuPy holder of ``arr``: XLA makes an XLA call's results itself, and the call copies ``arr`` into

@@ -23,9 +23,10 @@ the last key block and on counts outside ``[0, k]``; on a GPU nothing is read ba
 
 The kernels do not take dynamic layouts yet (`cusparseattn.backends.why_not` says so); the reference runs
 them, reading the indices once per pass (one small copy to the host on a GPU: `DynamicLayout.to_layout`).
-For now a new `DynamicLayout` object makes a new plan, ``torch.compile`` takes it as a constant, and JAX
-takes concrete index arrays only (traced ones inside ``jax.jit`` are refused): docs/dynamic.md has the
-kernels' design, which keys plans by the arrays' shapes and reads their values on the device.
+For now a new `DynamicLayout` object makes a new plan and ``torch.compile`` takes it as a constant; under
+``jax.jit`` the index arrays may be traced (they are operands of the XLA call that runs the reference, so a
+jitted step takes new indices without tracing again). docs/dynamic.md has the kernels' design, which keys
+plans by the arrays' shapes and reads their values on the device.
 
 >>> import numpy as np
 >>> import cusparseattn as ca
@@ -205,6 +206,11 @@ class DynamicLayout:
     def holders(self) -> list[Tensor]:
         return [h for h in (self._indices, self._counts) if h is not None]
 
+    @property
+    def traced(self) -> bool:
+        """Whether its arrays are traced inside ``jax.jit`` (no values yet)."""
+        return any(getattr(h, "traced", False) for h in self.holders())
+
     def _with(self, within, plus) -> DynamicLayout:
         out = DynamicLayout.__new__(DynamicLayout)
         out.__dict__.update(self.__dict__)
@@ -257,14 +263,12 @@ class DynamicLayout:
                 f"{sizes.heads_kv} heads (one selection per KV group)"
             )
         out = self
-        if any(getattr(h, "traced", False) for h in self.holders()):
-            raise TypeError(
-                "indices is traced inside jax.jit: dynamic layouts take concrete JAX arrays for now (select "
-                "outside jit, or use torch or CuPy); the kernels' dynamic path will take traced ones"
-            )
-        if i.framework == "jax":  # read here, outside XLA's callbacks, which must not wait on JAX arrays
+        # Traced arrays (inside jax.jit) have no values yet: cusparseattn.jax hands them to its XLA call,
+        # which runs on them as on a GPU's (nothing checked, out-of-range entries ignored).
+        traced = self.traced
+        if i.framework == "jax" and not traced:  # read here, outside XLA's callbacks (they must not wait)
             out = out.with_arrays(*(h.numpy() for h in self.holders()))
-        if i.device[0] == "cpu":
+        if i.device[0] == "cpu" and not traced:
             out._check_values(-(-sizes.seq_k // bk))
         parts = [_resolved(p, sizes) for p in (out.within, out.plus)]
         out = out._with(*parts)

@@ -19,7 +19,9 @@ eager and under ``jit``; the backend is chosen when the call is traced, so error
   a GPU the kernels cannot run, and a call raises naming the JAX version needed (``backend="reference"``
   still runs on the host).
 
-Under ``vmap`` each element of the mapped axis is one call (``vmap_method="sequential"``). The log-sum-exp
+A `cusparseattn.dynamic.DynamicLayout` whose index arrays are traced hands them to each call as operands
+after the pass's inputs, so a jitted step takes new indices without tracing again. Under ``vmap`` each
+element of the mapped axis is one call (``vmap_method="sequential"``). The log-sum-exp
 that ``return_lse=True`` returns is not differentiable.
 
 >>> import jax, jax.numpy as jnp
@@ -37,6 +39,7 @@ import numpy as np
 from . import backends, call, plans
 from .arrays import NumpyTensor, XlaBuffer, cupy_stream, wrap
 from .call import Inputs
+from .dynamic import DynamicLayout
 
 try:
     from jax.experimental.buffer_callback import buffer_callback
@@ -62,7 +65,11 @@ def attention(
     (dtype(bfloat16), dtype('float32'), (1, 2, 40))
     """
     inputs = call.prepare(q, k, v, layout, causal=causal, scale=scale, score_mod=score_mod)
-    out, lse = _differentiable(inputs.layout, inputs.scale, inputs.score_mod, backend)(q, k, v)
+    # A dynamic layout's traced index arrays are operands of the XLA calls, read where they run.
+    traced = isinstance(inputs.layout, DynamicLayout) and inputs.layout.traced
+    indices = [h.native for h in inputs.layout.holders()] if traced else []
+    attend = _differentiable(inputs.layout, inputs.scale, inputs.score_mod, backend)
+    out, lse = attend(q, k, v, *indices)
     # The lse leaves as a constant, so its cotangent in the backward is always zero.
     lse = jax.lax.stop_gradient(lse)
     return (out, lse) if return_lse else out
@@ -74,38 +81,40 @@ def _jax(x, name: str):
 
 
 def _differentiable(layout, scale: float, score_mod, backend: str | None):
-    def forward(q, k, v):
+    def forward(q, k, v, indices):
         inputs = Inputs(_jax(q, "q"), _jax(k, "k"), _jax(v, "v"), layout, scale, score_mod=score_mod)
-        return run(inputs, "forward", backend)
+        return run(inputs, "forward", backend, indices)
 
     @jax.custom_vjp
-    def attend(q, k, v):
-        return forward(q, k, v)
+    def attend(q, k, v, *indices):
+        return forward(q, k, v, indices)
 
-    def attend_fwd(q, k, v):
-        out, lse = forward(q, k, v)
-        return (out, lse), (q, k, v, out, lse)
+    def attend_fwd(q, k, v, *indices):
+        out, lse = forward(q, k, v, indices)
+        return (out, lse), (q, k, v, out, lse, *indices)
 
     def attend_bwd(saved, cotangents):
         q, k, v, out, lse = (
-            _jax(x, name) for name, x in zip(("q", "k", "v", "out", "lse"), saved, strict=True)
+            _jax(x, name) for name, x in zip(("q", "k", "v", "out", "lse"), saved[:5], strict=True)
         )
         dout = _jax(cotangents[0], "dout")
         inputs = Inputs(q, k, v, layout, scale, dout=dout, out=out, lse=lse, score_mod=score_mod)
-        return run(inputs, "backward", backend)
+        indices = saved[5:]
+        return (*run(inputs, "backward", backend, indices), *[None] * len(indices))  # integers: no gradient
 
     attend.defvjp(attend_fwd, attend_bwd)
     return attend
 
 
-def run(inputs: Inputs, op: str, backend: str | None) -> tuple:
+def run(inputs: Inputs, op: str, backend: str | None, indices=()) -> tuple:
     """Run ``op`` (``"forward"`` or ``"backward"``) on JAX arrays or tracers as one XLA call.
 
     The backend is chosen here, at trace time, on the holders of the arrays or tracers: ``(out, lse)`` or
-    ``(dq, dk, dv)`` come back as JAX arrays (tracers inside ``jit``).
+    ``(dq, dk, dv)`` come back as JAX arrays (tracers inside ``jit``). ``indices``: the native arrays of
+    the layout's holders (a `DynamicLayout` traced inside ``jit``), operands after the pass's inputs.
     """
     chosen = backends.select(inputs, op, backend)
-    natives = [getattr(inputs, name).native for name in _INPUTS[op]]
+    natives = [getattr(inputs, name).native for name in _INPUTS[op]] + list(indices)
     q = inputs.q
     if op == "forward":
         lse_dtype = np.float64 if q.dtype == "float64" else np.float32
@@ -169,12 +178,14 @@ class _Pass:
     def __hash__(self) -> int:
         return hash(self._key())
 
-    def reference(self, holders: list) -> tuple:
-        """The reference on holders of the pass's inputs, in `_INPUTS` order: its results, native arrays."""
+    def reference(self, holders: list, indices=()) -> tuple:
+        """The reference on holders of the pass's inputs, in `_INPUTS` order, and a traced dynamic layout's
+        `indices` (its arrays, now with values): its results, native arrays."""
         given = dict(zip(_INPUTS[self.op], holders, strict=True))
         extra = {name: given[name] for name in ("dout", "out", "lse") if name in given}
+        layout = self.layout.with_arrays(*indices) if indices else self.layout
         inputs = Inputs(
-            given["q"], given["k"], given["v"], self.layout, self.scale, score_mod=self.score_mod, **extra
+            given["q"], given["k"], given["v"], layout, self.scale, score_mod=self.score_mod, **extra
         )
         reference = backends.BACKENDS["reference"]
         results = reference.forward(inputs) if self.op == "forward" else reference.backward(inputs)
@@ -182,6 +193,11 @@ class _Pass:
 
     def host(self, arrays) -> list[NumpyTensor]:
         return [NumpyTensor(np.asarray(a), name) for name, a in zip(_INPUTS[self.op], arrays, strict=True)]
+
+    def split(self, args) -> tuple[list, list]:
+        """An XLA call's operands: the pass's inputs (`_INPUTS`), then a traced dynamic layout's arrays."""
+        n = len(_INPUTS[self.op])
+        return list(args[:n]), list(args[n:])
 
 
 class _Kernels(_Pass):
@@ -232,7 +248,8 @@ class _ReferenceInPlace(_Pass):
     """For ``buffer_callback`` on the CPU: the reference reads XLA's buffers and fills XLA's outputs."""
 
     def __call__(self, ctx, outputs, *args) -> None:
-        results = self.reference(self.host(args))
+        args, indices = self.split(args)
+        results = self.reference(self.host(args), [np.asarray(a) for a in indices])
         for output, result in zip(outputs, results, strict=True):
             np.asarray(output)[...] = result
 
@@ -244,13 +261,18 @@ class _ReferenceOnGpu(_Pass):
     def __call__(self, ctx, outputs, *args) -> None:
         # The reference's lse has the working precision: float64 for float64 inputs, else float32.
         lse = "float64" if self.dtype == "float64" else "float32"
+        args, indices = self.split(args)
         holders = [
             XlaBuffer(a, name, lse if name == "lse" else self.dtype, ctx.stream)
             for name, a in zip(_INPUTS[self.op], args, strict=True)
         ]
+        indices = [
+            XlaBuffer(a, h.name, h.dtype, ctx.stream).cupy()
+            for a, h in zip(indices, self.layout.holders(), strict=True)
+        ]
         kinds = {"out": self.dtype, "lse": lse} if self.op == "forward" else dict.fromkeys(_GRADS, self.dtype)
         with cupy_stream(holders[0]):
-            results = self.reference(holders)
+            results = self.reference(holders, indices)
             for output, (name, kind), result in zip(outputs, kinds.items(), results, strict=True):
                 XlaBuffer(output, name, kind, ctx.stream).cupy()[...] = result
 
@@ -259,4 +281,5 @@ class _ReferenceOnCopies(_Pass):
     """For ``jax.pure_callback``: the reference on host copies of the inputs, returning its results."""
 
     def __call__(self, *arrays) -> tuple[np.ndarray, ...]:
-        return self.reference(self.host(arrays))
+        arrays, indices = self.split(arrays)
+        return self.reference(self.host(arrays), indices)

@@ -291,7 +291,7 @@ def test_torch_gradients_through_a_dynamic_layout_match_dense_autograd():
         torch.testing.assert_close(got, ref, atol=1e-10, rtol=0)
 
 
-def test_jax_gradients_through_a_dynamic_layout_and_traced_indices_are_refused(jax_on_cpu, x64):
+def test_jax_gradients_through_a_dynamic_layout(jax_on_cpu, x64):
     jax = pytest.importorskip("jax")
     jnp = jax.numpy
     rng = np.random.default_rng(4)
@@ -304,8 +304,49 @@ def test_jax_gradients_through_a_dynamic_layout_and_traced_indices_are_refused(j
     tk, tv = (torch.tensor(np.asarray(x)) for x in (k, v))
     _dense_torch(tq, tk, tv, torch.from_numpy(mask)).sum().backward()
     np.testing.assert_allclose(np.asarray(grad), tq.grad.numpy(), atol=1e-10)
-    with pytest.raises(TypeError, match="traced inside jax.jit"):
-        jax.jit(lambda i: ca.attention(q, k, v, dynamic.block_indices(i, block=16)))(idx)
+
+
+@pytest.mark.parametrize("callback", ["buffer_callback", "pure_callback"])
+@pytest.mark.parametrize("per", ["block", "token"])
+def test_jax_jit_takes_traced_indices_and_new_ones_without_tracing_again(
+    jax_on_cpu, x64, monkeypatch, per, callback
+):
+    """Under jax.jit the indices (and counts) are operands of the XLA calls: a jitted step gives each new
+    selection's answer, forward and gradients, traced once; out-of-range entries are ignored as on a GPU."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    from cusparseattn import jax as ca_jax
+
+    if callback == "pure_callback":
+        monkeypatch.setattr(ca_jax, "buffer_callback", None)
+    rng = np.random.default_rng(8)
+    q = jnp.asarray(rng.standard_normal((2, 4, 64, 8)))
+    k, v = (jnp.asarray(x) for x in rng.standard_normal((2, 2, 2, 64, 8)))  # GQA: one selection a KV head
+    rows, make = (4, dynamic.block_indices) if per == "block" else (64, dynamic.token_indices)
+    traces = []
+
+    def step(q, idx, counts):
+        traces.append(1)
+        lay = make(idx, counts, block=16) | patterns.local(window=8, block=16)
+        out = ca.attention(q, k, v, lay, causal=True)
+        return out, jax.grad(lambda q: (ca.attention(q, k, v, lay, causal=True) ** 2).sum())(q)
+
+    jitted = jax.jit(step)
+    for seed in range(3):
+        pick = np.random.default_rng(seed)
+        idx = pick.integers(-1, 6, (2, 2, rows, 3)).astype(np.int32)  # 4 and 5: past the last key block
+        counts = pick.integers(0, 4, (2, 2, rows)).astype(np.int32)
+        out, grad = jitted(q, jnp.asarray(idx), jnp.asarray(counts))
+        clean = np.where(idx < 4, idx, -1).astype(np.int32)
+        lay = make(clean, counts, block=16) | patterns.local(window=8, block=16)
+        mask = (lay & patterns.causal(block=16)).to_dense(64, 64, 4, 2)
+        tq = torch.tensor(np.asarray(q), requires_grad=True)
+        tk, tv = (torch.tensor(np.asarray(x)) for x in (k, v))
+        want = _dense_torch(tq, tk, tv, torch.from_numpy(mask))
+        (want**2).sum().backward()
+        np.testing.assert_allclose(np.asarray(out), want.detach().numpy(), atol=1e-12)
+        np.testing.assert_allclose(np.asarray(grad), tq.grad.numpy(), atol=1e-10)
+    assert len(traces) == 1
 
 
 @pytest.mark.gpu

@@ -230,6 +230,36 @@ def test_float32_and_float64_gpu_inputs_trace_into_the_reference_on_xla_buffers(
         assert results == [[name, lse], [name] * 3]
 
 
+def test_traced_indices_of_a_dynamic_layout_are_operands_of_the_gpu_references_calls(on_gpu, monkeypatch):
+    """On a GPU the reference in CuPy reads a traced dynamic layout's indices from XLA's int32 buffer, after
+    the pass's inputs (traced only: there is no GPU here)."""
+    from cusparseattn import dynamic
+
+    monkeypatch.setattr(backends, "_has_cupy", lambda: True)
+    (q,) = arrays_of(Sq=32, D=8, dtype=np.float32)[:1]
+
+    def loss(q, idx):
+        lay = dynamic.block_indices(idx, block=16)
+        return (ca_jax.attention(q, q, q, lay, causal=True) ** 2).sum()
+
+    idx = jnp.zeros((1, 1, 2, 1), jnp.int32)
+    jaxpr = jax.make_jaxpr(jax.jit(jax.grad(loss)))(q, idx)
+    calls = [e for e in jaxpr.jaxpr.eqns[0].params["jaxpr"].eqns if "callback" in e.primitive.name]
+    assert [type(e.params["callback"]) for e in calls] == [ca_jax._ReferenceOnGpu] * 2
+    assert [[str(x.aval.dtype) for x in e.invars] for e in calls] == [
+        ["float32"] * 3 + ["int32"],
+        ["float32"] * 6 + ["int32"],
+    ]
+
+    class Buffer:  # XLA's int32 buffer as buffer_callback hands it over
+        __cuda_array_interface__ = {"shape": (1, 1, 2, 1), "typestr": "<i4", "data": (4096, True)}
+
+        def __dlpack_device__(self):
+            return (2, 0)
+
+    assert arrays.XlaBuffer(Buffer(), "indices", "int32", stream=7).strides == (2, 2, 1, 1)
+
+
 def test_without_buffer_callback_the_cpu_copies_and_a_gpu_says_which_jax(monkeypatch):
     q, k, v = arrays_of(D=8, dtype=np.float32)
     want_grad = np.asarray(jax.jit(loss_and_grad(causal=True))(q))
