@@ -21,8 +21,8 @@ eager and under ``jit``; the backend is chosen when the call is traced, so error
 
 A `cusparseattn.dynamic.DynamicLayout` whose index arrays are traced hands them to each call as operands
 after the pass's inputs, so a jitted step takes new indices without tracing again. Under ``vmap`` each
-element of the mapped axis is one call (``vmap_method="sequential"``). The log-sum-exp
-that ``return_lse=True`` returns is not differentiable.
+element of the mapped axis is one call (``vmap_method="sequential"``). The log-sum-exp that
+``return_lse=True`` returns is not differentiable.
 
 >>> import jax, jax.numpy as jnp
 >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 2, 64, 16))

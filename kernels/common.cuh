@@ -1,6 +1,7 @@
 // Shared device helpers for the cusparseattn kernels: element types, the parameters (params.cuh), tile
-// loads, the copy pipeline, tensor-core MMAs and the forward's online softmax. NVRTC-clean: no host headers. The masks of
-// partial tiles and the score mods (masking.cuh) and the backward's helpers (backward.cuh) follow it.
+// loads, the copy pipeline, tensor-core MMAs and the forward's online softmax. NVRTC-clean: no host headers.
+// The masks of partial tiles and the score mods (masking.cuh) and the backward's helpers (backward.cuh)
+// follow it.
 //
 // The builder prepends a prelude that defines, before this header is included:
 //   CSA_DTYPE_BF16 (0/1), CSA_DTYPE_F32 (0/1: float32 on TF32 tensor cores) and, for float32, CSA_TF32X3 (0/1:
