@@ -8,6 +8,7 @@
     python benchmarks/bench.py --peers cusparseattn,flex  # whom the cases time (benchmarks/ab.py uses it)
     python benchmarks/bench.py --only cases --repeats 5   # each case timed 5 times, the peers in turn
     python benchmarks/bench.py --out DIR             # where bench.json and bench.png go (default: .)
+    python benchmarks/bench.py --only cases --dtype float32  # the cases on float32 tensors (TF32, "high")
 
 Parts:
 
@@ -21,6 +22,10 @@ Parts:
 - memory: peak extra GPU memory of one forward at S = 4096, 16384, 65536.
 - train-memory: the same for one forward+backward (B = 1, H = 16, D = 128, causal and local1024, S = 16384,
   32768, 65536), less the gradients dq, dk, dv; bytes per token stay flat when it is O(S).
+- precision: float32 inputs (causal, B = 1, H = 8, S = 4096, D = 64 and 128): the error of the output and
+  the gradients against float64, for cusparseattn at "high" and "highest", SDPA (its own float32 kernel, and
+  its math backend at TF32) and Flex; then float64 CUDA tensors, cusparseattn (the reference on the GPU)
+  against the host round trip (copies to NumPy, the reference there, copies back).
 
 Timing: ``triton.testing.do_bench`` (median); forward with warmup 25 ms and rep 100 ms under ``no_grad``,
 forward+backward (the forward, then ``out.backward(grad)`` with a fixed random ``grad``; the inputs' ``.grad``
@@ -33,7 +38,10 @@ when importable: FlexAttention (``torch.compile``, Triton backend), "flexfa4" Fl
 SDPA with the flash backend (dense and causal only), FlashAttention-4 (``flash_attn.cute``: dense, causal,
 sliding window); on an H100/H200 also "portable", cusparseattn's mma.sync kernels beside its Hopper ones;
 and "mask", cusparseattn given the case as a FlexAttention user writes it, the mask function that Flex gets
-(`token_rule`: every case but dense), in place of its built-in pattern. bf16, B = 2, H = 16.
+(`token_rule`: every case but dense), in place of its built-in pattern. bf16 (``--dtype``), B = 2, H = 16.
+With ``--dtype float32`` PyTorch's float32 matmul precision is "high" (TF32, every peer's and cusparseattn's
+default), SDPA runs the backend it picks for float32, and the peers that take half precision only
+(FlashAttention-4, Flex+FA4; "portable", which is what runs float32 on Hopper) are left out.
 """
 
 from __future__ import annotations
@@ -53,7 +61,9 @@ import numpy as np
 
 B, H = 2, 16
 CASES = ["dense", "causal", "local1024", "strided8"]
-PARTS = ["compile", "mods", "cases", "sweep", "memory", "train-memory"]
+PARTS = ["compile", "mods", "cases", "sweep", "memory", "train-memory", "precision"]
+DTYPES = ["bfloat16", "float16", "float32"]
+HALF_ONLY = ("flexfa4", "fa4", "portable")  # peers left out of float32 cases
 # "portable": cusparseattn's mma.sync kernels on a Hopper GPU, beside its Hopper ones (CUSPARSEATTN_HOPPER=0).
 PEERS = ["cusparseattn", "portable", "mask", "flex", "flexfa4", "sdpa", "fa4"]
 PASSES = {"fwd": "forward", "fwdbwd": "forward+backward"}
@@ -143,8 +153,13 @@ def peers(case: str, q, k, v, names=PEERS) -> tuple[dict, list]:
     if case in ("dense", "causal") and "sdpa" in names:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
+        # Flash takes half precision only; float32 runs what SDPA itself picks for it.
+        half = q.element_size() == 2
+        flash = functools.partial(sdpa_kernel, SDPBackend.FLASH_ATTENTION)
+        chosen = flash if half else contextlib.nullcontext
+
         def sdpa():
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            with chosen():
                 return F.scaled_dot_product_attention(q, k, v, is_causal=case == "causal")
 
         out["sdpa"] = sdpa
@@ -282,19 +297,24 @@ def _ratio(row: dict, pass_: str) -> float:
     return ours / flex if ours and flex else math.nan
 
 
-def run_cases(seqs, dims, cases, backward: bool, results, names=PEERS, repeats: int = 1):
+def run_cases(seqs, dims, cases, backward: bool, results, names=PEERS, repeats: int = 1, dtype="bfloat16"):
     import torch
 
     torch._dynamo.config.cache_size_limit = 64
     torch._dynamo.config.recompile_limit = 64
+    dtype = getattr(torch, dtype)
+    if dtype == torch.float32:
+        torch.set_float32_matmul_precision("high")
+        names = [n for n in names if n not in HALF_ONLY]
     for dim in dims:
         for seq in seqs:
             q, k, v = (
-                torch.randn(B, H, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+                torch.randn(B, H, seq, dim, device="cuda", dtype=dtype, requires_grad=backward)
                 for _ in range(3)
             )
             for case in cases:
                 row = measure_case(case, q, k, v, backward, names, repeats)
+                row["dtype"] = str(dtype).removeprefix("torch.")
                 results["cases"].append(row)
                 parts = []
                 for pass_, values in ((p, row[p]) for p in PASSES):
@@ -426,6 +446,86 @@ def train_memory(results):
                 f"train memory {name}: bytes per token vary x{spread:.3f} over S in {TRAIN_MEMORY_SEQS}: "
                 f"{verdict}"
             )
+
+
+def precision(results, seq: int = 4096, heads: int = 8):
+    """float32's error against float64 (causal, B = 1), each of ours and the peers', on the output and the
+    gradients (the largest absolute difference over the largest magnitude of float64's); then float64 on the
+    GPU against the host round trip."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import cusparseattn as ca
+    from cusparseattn import patterns
+
+    layout = patterns.causal(block=128).layout(seq)
+    flex = compiled_flex()
+    mask = create_block_mask(token_rule("causal"), None, None, seq, seq, BLOCK_SIZE=128)
+
+    def sdpa(backend):
+        def run(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        return run
+
+    calls = {
+        "cusparseattn high": ("high", lambda q, k, v: ca.attention(q, k, v, layout, backend="cuda")),
+        "cusparseattn highest": ("highest", lambda q, k, v: ca.attention(q, k, v, layout, backend="cuda")),
+        "sdpa (its float32 kernel)": ("high", sdpa(SDPBackend.EFFICIENT_ATTENTION)),
+        "sdpa math, TF32": ("high", sdpa(SDPBackend.MATH)),
+        "flex": ("high", lambda q, k, v: flex(q, k, v, block_mask=mask)),
+    }
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for dim in (64, 128):
+        inputs = [torch.randn(1, heads, seq, dim, device="cuda", generator=gen) for _ in range(4)]
+        leaves = [x.double().requires_grad_() for x in inputs[:3]]
+        with sdpa_kernel(SDPBackend.MATH):
+            exact = F.scaled_dot_product_attention(*leaves, is_causal=True)
+        exact_grads = torch.autograd.grad(exact, leaves, inputs[3].double())
+        exact = [exact.detach(), *exact_grads]
+        row = {"S": seq, "D": dim, "H": heads, "errors": {}}
+        for name, (matmul, fn) in calls.items():
+            torch.set_float32_matmul_precision(matmul)
+            q, k, v = (x.clone().requires_grad_() for x in inputs[:3])
+            try:
+                out = _first(fn(q, k, v))
+                got = [out.detach(), *torch.autograd.grad(out, (q, k, v), inputs[3])]
+            except Exception as err:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
+                print(f"precision: {name} failed at D={dim}: {str(err)[:200]}")
+                continue
+            finally:
+                torch.set_float32_matmul_precision("high")
+            row["errors"][name] = {
+                part: ((g.double() - e).abs().max() / e.abs().max()).item()
+                for part, g, e in zip(("out", "dq", "dk", "dv"), got, exact, strict=True)
+            }
+        results["precision"].append(row)
+        for name, errs in row["errors"].items():
+            figures = " ".join(f"{part} {err:.2e}" for part, err in errs.items())
+            print(f"precision D={dim} {name:26} | {figures}", flush=True)
+    q, k, v = (x.double() for x in inputs[:3])
+    ca.attention_forward(q, k, v, layout)  # builds the reference's GPU code
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(3):
+        ca.attention_forward(q, k, v, layout)
+    torch.cuda.synchronize()
+    gpu_s = (time.perf_counter() - start) / 3
+    start = time.perf_counter()
+    host = [x.cpu().numpy() for x in (q, k, v)]
+    out, lse = ca.attention_forward(*host, layout)
+    torch.as_tensor(out, device="cuda"), torch.as_tensor(lse, device="cuda")
+    torch.cuda.synchronize()
+    host_s = time.perf_counter() - start
+    results["float64"] = {"S": seq, "D": q.shape[-1], "gpu_s": gpu_s, "host_round_trip_s": host_s}
+    print(
+        f"float64 causal S={seq} D={q.shape[-1]} H={heads}: on the GPU {gpu_s * 1e3:.1f} ms a call, "
+        f"host round trip {host_s * 1e3:.0f} ms (x{host_s / gpu_s:.0f})",
+        flush=True,
+    )
 
 
 def compile_time(results, backward: bool):
@@ -663,6 +763,9 @@ def main(argv=None) -> int:
         default=1,
         help="timings of each case and peer, taken in turn; the figures are their medians (default 1)",
     )
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="bfloat16", help="the cases' dtype (default bfloat16)"
+    )
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args(argv)
     parts = args.only or (["compile", "cases"] if args.quick else PARTS)
@@ -682,6 +785,7 @@ def main(argv=None) -> int:
         "sweep": [],
         "memory": [],
         "train_memory": [],
+        "precision": [],
         "seconds": {},
         "errors": {},
     }
@@ -689,10 +793,13 @@ def main(argv=None) -> int:
     steps = {
         "compile": lambda: compile_time(results, backward),
         "mods": lambda: mods_case(results, backward),
-        "cases": lambda: run_cases(seqs, args.dims, args.cases, backward, results, args.peers, args.repeats),
+        "cases": lambda: run_cases(
+            seqs, args.dims, args.cases, backward, results, args.peers, args.repeats, args.dtype
+        ),
         "sweep": lambda: density_sweep(results),
         "memory": lambda: memory(results),
         "train-memory": lambda: train_memory(results),
+        "precision": lambda: precision(results),
     }
     for part in PARTS:
         if part in parts and (part != "train-memory" or backward):

@@ -266,9 +266,10 @@ class _ReferenceOnGpu(_Pass):
             XlaBuffer(a, name, lse if name == "lse" else self.dtype, ctx.stream)
             for name, a in zip(_INPUTS[self.op], args, strict=True)
         ]
+        # Index operands come only with a traced dynamic layout: a static one has no arrays.
+        described = self.layout.holders() if indices else []
         indices = [
-            XlaBuffer(a, h.name, h.dtype, ctx.stream).cupy()
-            for a, h in zip(indices, self.layout.holders(), strict=True)
+            XlaBuffer(a, h.name, h.dtype, ctx.stream).cupy() for a, h in zip(indices, described, strict=True)
         ]
         kinds = {"out": self.dtype, "lse": lse} if self.op == "forward" else dict.fromkeys(_GRADS, self.dtype)
         with cupy_stream(holders[0]):

@@ -42,6 +42,10 @@ CASES = [
     # outputs go to a scratch, and a combine pass writes the row.
     ("dense bf16 d128 split", torch.bfloat16, 128, 2, 2176, patterns.dense(block=128)),
     ("dense fp16 d64 wide split", torch.float16, 64, 1, 2048, patterns.dense(block=128)),
+    # float32 runs the portable passes on every GPU: TF32 ("high"), and split TF32 ("highest").
+    ("causal fp32 high d64 ragged", torch.float32, 64, 2, 333, patterns.causal(block=64)),
+    ("random bits fp32 highest d128", torch.float32, 128, 1, 200, None),
+    ("local fp32 highest d40 bshd", torch.float32, 40, 2, 300, patterns.local(window=70, block=16)),
 ]
 
 
@@ -51,6 +55,7 @@ def main() -> None:
         # buffers and barriers.
         devices.sm_count = lambda device, sms=(3 if "split" in name else 2): sms
         cuda._wide_pays = lambda *args, wide="wide" in name: wide
+        torch.set_float32_matmul_precision("highest" if "highest" in name else "high")
         layout = random_layout(seq) if pattern is None else pattern.layout(seq)
         q = torch.randn(2, seq, 4, dim, device="cuda", dtype=dtype).transpose(1, 2)
         k, v = (torch.randn(2, 4 // group, seq, dim, device="cuda", dtype=dtype) for _ in "kv")

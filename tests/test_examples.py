@@ -107,8 +107,10 @@ def test_bench_without_a_gpu_says_so_in_one_line():
 
 def test_bench_options_and_table(capsys):
     bench = _load(ROOT / "benchmarks" / "bench.py")
-    with pytest.raises(SystemExit):
-        bench.main(["--cases", "dense,nonsense"])
+    for wrong in (["--cases", "dense,nonsense"], ["--dtype", "float64"]):
+        with pytest.raises(SystemExit):
+            bench.main(wrong)
+    assert "precision" in bench.PARTS and "float32" in bench.DTYPES
     rows = [
         {
             "case": "causal",
