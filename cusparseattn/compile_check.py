@@ -46,8 +46,14 @@ def all_specs() -> list[KernelSpec | RuleSpec]:
             for d in tuning.HOPPER_HEAD_DIMS:
                 for t in (tuning.tile_config(kernel, d), tuning.WIDE_TILES[kernel][d]):
                     specs.append(KernelSpec.make(kernel, "bfloat16", d, *rules[2], tiles=t, split_rows=True))
+    # A traced rule as cusparseattn.trace prints it (a table clamped at its length, casts to RuleInt): the
+    # kernels take it in 32-bit integers too.
+    specs += [
+        KernelSpec.make(kernel, "bfloat16", 128, "expr", TRACED_RULE)
+        for kernel in ("forward", "backward_dq", "backward_dkdv", *tuning.ARCH)
+    ]
     specs += float32_specs(rules)
-    return [*specs, RuleSpec("csa::floormod(k, P0) == 0 && A0[q] == A0[k]")]
+    return [*specs, RuleSpec("csa::floormod(k, P0) == 0 && A0[q] == A0[k]"), RuleSpec(TRACED_RULE)]
 
 
 def float32_specs(rules) -> list[KernelSpec]:
@@ -67,6 +73,8 @@ def float32_specs(rules) -> list[KernelSpec]:
     return specs
 
 
+# The documents rule of a FlexAttention user, `(doc[q] == doc[k]) & (q >= k)`, as it traces.
+TRACED_RULE = "((((RuleInt)A0[min(q, (P0 - 1))]) == ((RuleInt)A0[min(k, (P0 - 1))])) && (q >= k))"
 # A score mod of every kind of term a traced one has (a float parameter, a captured table, tanh): ALiBi
 # with soft-capping, for the compile check.
 SAMPLE_SCORE = (

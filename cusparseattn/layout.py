@@ -26,7 +26,6 @@ from . import flex_layouts, pictures
 from .rules import TokenRule, combined_rule, shifted_rule
 
 MIN_BLOCK, MAX_BLOCK = 16, 128
-# What TokenRule.narrow lets through: names, numbers, and operators that neither multiply nor shift.
 
 
 class Compressed(NamedTuple):

@@ -26,15 +26,29 @@ from .traced import (
 class CNames:
     """How a program's parameters and arrays are spelled in C, for one kernel interface."""
 
-    int_param: str  # prefix of the long long parameters
+    int_param: str  # prefix of the integer parameters
     float_param: str | None  # prefix of the float parameters (None: floats are not allowed)
     array_int: str  # format of an int array's element: {slot}, {index}
     array_float: str | None
+    int_type: str  # the integers' C type, of casts; literals take it from the names beside them
+    int_suffix: str  # of integer literals
+
+    def typed(self, value: int) -> str:
+        """An integer literal of `int_type`, for min and max, whose overloads take no mixed types."""
+        text = _c_literal(value, "int", self.int_suffix)
+        return text if self.int_suffix else f"(({self.int_type}){text})"
 
 
-MASK_NAMES = CNames("P", None, "((long long)A{slot}[{index}])", None)
+# A mask's integers are the kernels' RuleInt (long long, or int where the rule's values allow:
+# rules.narrowable), a score mod's long long.
+MASK_NAMES = CNames("P", None, "((RuleInt)A{slot}[{index}])", None, "RuleInt", "")
 SCORE_NAMES = CNames(
-    "SI", "SF", "((long long)((const int*)SA{slot})[{index}])", "(((const float*)SA{slot})[{index}])"
+    "SI",
+    "SF",
+    "((long long)((const int*)SA{slot})[{index}])",
+    "(((const float*)SA{slot})[{index}])",
+    "long long",
+    "LL",
 )
 
 _C_BINARY = {
@@ -177,7 +191,7 @@ class Program:
         if op == "var":
             text = x.data
         elif op == "lit":
-            text = _c_literal(x.data, kind)
+            text = _c_literal(x.data, kind, names.int_suffix)
         elif op == "param":
             prefix = names.int_param if kind == "int" else names.float_param
             text = f"{prefix}{self._slots[id(x.data)]}"
@@ -185,14 +199,17 @@ class Program:
             ref = x.data
             shape = [self._c(d, names, memo) for d in ref.shape]
             flat = None
-            for i, n, index in zip(a, shape, x.args, strict=True):
-                low = i if _sign(index, memo) else f"max({i}, 0LL)"  # an index known >= 0 needs no floor
-                clamped = f"min({low}, ({n} - 1LL))"
+            for i, n, index, d in zip(a, shape, x.args, ref.shape, strict=True):
+                i = names.typed(index.data) if index.op == "lit" else i
+                low = i if _sign(index, memo) else f"max({i}, {names.typed(0)})"  # known >= 0: no floor
+                one = _c_literal(1, "int", names.int_suffix)
+                last = names.typed(d.data - 1) if d.op == "lit" else f"({n} - {one})"
+                clamped = f"min({low}, {last})"
                 flat = clamped if flat is None else f"(({flat} * {n}) + {clamped})"
             form = names.array_int if kind == "int" else names.array_float
             text = form.format(slot=self._slots[id(ref)], index=flat)
         elif op == "cast":
-            text = f"((float)({a[0]}))" if kind == "float" else f"((long long)({a[0]}))"
+            text = f"((float)({a[0]}))" if kind == "float" else f"(({names.int_type})({a[0]}))"
         elif op in _C_BINARY:
             text = f"({a[0]} {_C_BINARY[op]} {a[1]})"
         elif op in _C_LOGICAL:
@@ -216,6 +233,10 @@ class Program:
             text = f"({a[0]} {_C_SHIFTS[op]} {a[1]})"
         elif op in ("minimum", "maximum"):
             fn = op[:3] if kind == "int" else ("fminf" if op == "minimum" else "fmaxf")
+            if kind == "int":
+                a = [
+                    names.typed(arg.data) if arg.op == "lit" else t for arg, t in zip(x.args, a, strict=True)
+                ]
             text = f"{fn}({a[0]}, {a[1]})"
         elif op == "abs" and kind == "int":
             text = f"max({a[0]}, (-{a[0]}))"
@@ -409,11 +430,11 @@ def _aligned(x: Expr, block_size: tuple[int, int]) -> int | None:
     return None
 
 
-def _c_literal(value, kind: str) -> str:
+def _c_literal(value, kind: str, int_suffix: str = "LL") -> str:
     if kind == "bool":
         return "true" if value else "false"
     if kind == "int":
-        return f"{value}LL" if value >= 0 else f"(-{-value}LL)"
+        return f"{value}{int_suffix}" if value >= 0 else f"(-{-value}{int_suffix})"
     if value != value:
         return "NAN"
     if value in (float("inf"), float("-inf")):

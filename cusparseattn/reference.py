@@ -8,14 +8,15 @@ out)``.
 
 It runs where its arrays are: it is written against the array API standard (through ``array_api_compat``),
 so NumPy arrays run on the host and CuPy arrays on their GPU, with no copy of the arrays to the host. The
-layout is host data: each band's token mask is made on the host (from the block masks, the rule evaluated at
-partial-block positions only) and sent to the arrays' device, a copy of booleans towards the device only.
+layout is host data: each band's token mask is described on the host (its blocks' masks, the rule evaluated
+in partial blocks only), sent to the arrays' device (a copy of a few booleans towards the device only) and
+built there.
 A score mod runs on the scores where they are.
 
 Memory stays bounded: query rows are processed in bands, and each band gathers only the key blocks that its
 block rows set, so a sparse layout costs proportionally less and no ``Sq x Sk`` array is ever built. A
-band's score tensor (``batch x heads x rows x gathered keys``) holds at most `CHUNK_BYTES`; peak extra memory
-is a few times that, plus the inputs upcast to the working precision.
+band's score tensor (``batch x heads x rows x gathered keys``) holds at most `CHUNK_BYTES` (on a GPU
+`DEVICE_CHUNK_BYTES`); peak extra memory is a few times that, plus the inputs upcast to the working precision.
 
 A query row that attends to nothing gets ``out = 0``, ``lse = -inf`` and zero gradients, never NaN.
 
@@ -43,8 +44,10 @@ from .layout import BlockLayout
 from .trace import ScoreMod
 
 # Bytes of one band's score tensor in the working precision (the largest temporary; forward keeps about two
-# of these alive, backward about three). Tests lower it to exercise the banding.
+# of these alive, backward about three), on the host and on a GPU, where a band costs its launches whatever
+# its size, so fewer larger ones run faster. Tests lower them to exercise the banding.
 CHUNK_BYTES = 64 << 20
+DEVICE_CHUNK_BYTES = 256 << 20
 
 _PRECISIONS = {np.dtype(np.float32), np.dtype(np.float64)}
 
@@ -84,7 +87,7 @@ def forward(q, k, v, layout: BlockLayout, *, scale=None, precision=np.float32, s
     qp, kp, vp = (xp.astype(x, work, copy=False) for x in (q, k, v))
     out = xp.zeros(q.shape, dtype=work, device=device)
     lse = xp.full(q.shape[:3], -math.inf, dtype=work, device=device)
-    for c in _chunks(layout, q.shape, k.shape[1], prec.itemsize):
+    for c in _chunks(layout, q.shape, k.shape[1], prec.itemsize, _chunk_bytes(xp)):
         band = _Band(xp, c, device)
         s = _scores(xp, qp[c.rows], band.gather(kp), scale)
         if mod is not None:
@@ -141,7 +144,7 @@ def backward(
     device = array_api_compat.device(q)
     qp, kp, vp, dop, outp, lsep = (xp.astype(x, work, copy=False) for x in (q, k, v, dout, out, lse))
     dq, dk, dv = (xp.zeros(x.shape, dtype=work, device=device) for x in (qp, kp, vp))
-    for c in _chunks(layout, q.shape, k.shape[1], prec.itemsize):
+    for c in _chunks(layout, q.shape, k.shape[1], prec.itemsize, _chunk_bytes(xp)):
         band = _Band(xp, c, device)
         hkv = c.k1 - c.k0
         qc, doc, kc, vc = qp[c.rows], dop[c.rows], band.gather(kp), band.gather(vp)
@@ -314,8 +317,8 @@ def _score_mod(score_mod) -> ScoreMod | None:
 class _Chunk(NamedTuple):
     """Query rows ``r0:r1`` of batches ``b0:b1``, query heads ``h0:h1`` (key/value heads ``k0:k1``), against
     the key tokens ``cols`` (sorted), which are the ``runs`` of consecutive tokens ``(start, stop)``;
-    ``mask`` (host booleans) broadcasts against the scores ``[b, h, rows, cols]``, None where every pair
-    attends."""
+    ``mask`` builds the booleans that broadcast against the scores ``[b, h, rows, cols]``, None where every
+    pair attends."""
 
     b0: int
     b1: int
@@ -327,7 +330,7 @@ class _Chunk(NamedTuple):
     r1: int
     cols: np.ndarray
     runs: tuple[tuple[int, int], ...]
-    mask: np.ndarray | None
+    mask: _BandMask | None
 
     @property
     def rows(self) -> tuple:
@@ -335,12 +338,16 @@ class _Chunk(NamedTuple):
         return slice(self.b0, self.b1), slice(self.h0, self.h1), slice(self.r0, self.r1), ...
 
 
-def _chunks(layout: BlockLayout, q_shape, hkv: int, itemsize: int) -> Iterator[_Chunk]:
+def _chunk_bytes(xp) -> int:
+    return DEVICE_CHUNK_BYTES if array_api_compat.is_cupy_namespace(xp) else CHUNK_BYTES
+
+
+def _chunks(layout: BlockLayout, q_shape, hkv: int, itemsize: int, budget: int) -> Iterator[_Chunk]:
     """Walk the layout's (batch, head) slices, and in each, bands of query rows with the key blocks they set.
 
     Batch elements and heads that share a block mask are processed together; a band grows block row by block
-    row while its score tensor stays under `CHUNK_BYTES` (and is cut into fewer rows when even one block row
-    is too large). Block rows with no block set are skipped: their output stays 0 and their lse -inf.
+    row while its score tensor stays under ``budget`` bytes (and is cut into fewer rows when even one block
+    row is too large). Block rows with no block set are skipped: their output stays 0 and their lse -inf.
     """
     nb, hq, sq, _ = q_shape
     group = hq // hkv
@@ -356,12 +363,12 @@ def _chunks(layout: BlockLayout, q_shape, hkv: int, itemsize: int) -> Iterator[_
             partial = layout.partial[bl, hl]
             row_bytes = (b1 - b0) * (h1 - h0) * itemsize
             b_idx, h_idx = np.arange(b0, b1), np.arange(h0, h1)
-            for r0, r1, cols, runs in _bands(blocks, bq, bk, sq, layout.seq_k, row_bytes):
+            for r0, r1, cols, runs in _bands(blocks, bq, bk, sq, layout.seq_k, row_bytes, budget):
                 mask = _band_mask(layout, blocks, partial, b_idx, h_idx, np.arange(r0, r1), cols)
                 yield _Chunk(b0, b1, h0, h1, k0, k1, r0, r1, cols, runs, mask)
 
 
-def _bands(blocks: np.ndarray, bq: int, bk: int, seq_q: int, seq_k: int, row_bytes: int):
+def _bands(blocks: np.ndarray, bq: int, bk: int, seq_q: int, seq_k: int, row_bytes: int, budget: int):
     """Yield ``(r0, r1, cols, runs)``: query rows, the sorted key tokens of the blocks that those rows set,
     and those tokens as runs of consecutive ones."""
     nq = blocks.shape[0]
@@ -374,14 +381,14 @@ def _bands(blocks: np.ndarray, bq: int, bk: int, seq_q: int, seq_k: int, row_byt
         union, end = blocks[start].copy(), start + 1
         while end < nq and nonempty[end]:
             grown = union | blocks[end]
-            if (end + 1 - start) * bq * np.count_nonzero(grown) * bk * row_bytes > CHUNK_BYTES:
+            if (end + 1 - start) * bq * np.count_nonzero(grown) * bk * row_bytes > budget:
                 break
             union, end = grown, end + 1
         cols = (np.flatnonzero(union)[:, None] * bk + np.arange(bk)).ravel()
         cols = cols[cols < seq_k]
         runs = _runs(union, bk, seq_k)
         r0, r1 = start * bq, min(end * bq, seq_q)
-        step = max(1, CHUNK_BYTES // (cols.size * row_bytes))
+        step = max(1, budget // (cols.size * row_bytes))
         for r in range(r0, r1, step):
             yield r, min(r + step, r1), cols, runs
         start = end
@@ -393,25 +400,57 @@ def _runs(union: np.ndarray, bk: int, seq_k: int) -> tuple[tuple[int, int], ...]
     return tuple((int(a) * bk, min(int(b) * bk, seq_k)) for a, b in zip(edges[::2], edges[1::2], strict=True))
 
 
-def _band_mask(layout, blocks, partial, b_idx, h_idx, rows, cols) -> np.ndarray | None:
-    """The token mask of one band: a block lookup, with the rule evaluated only at partial-block positions;
-    None where every pair of the band attends.
+class _BandMask(NamedTuple):
+    """One band's token mask in the few bytes that make it, sent to the arrays' device and built there: its
+    tiles (``[.., n, bq, bk]`` booleans: all False, all True, then the rule's values in each partial block)
+    and which tile each of its blocks takes (``[nqb, nkb]``, block rows by block columns); the band is rows
+    ``first : first + rows`` and the first ``cols`` columns of those blocks' tokens."""
 
-    Same values as ``layout.token_mask`` (the rule gets absolute batch and query-head indices). The result is
-    ``[rows, cols]`` unless the rule depends on the batch or head, then ``[b|1, h|1, rows, cols]``.
+    tiles: np.ndarray
+    pick: np.ndarray
+    first: int
+    rows: int
+    cols: int
+
+    def build(self, xp, device):
+        """The mask, ``[rows, cols]`` or ``[b|1, h|1, rows, cols]``, on ``device``."""
+        lead = self.tiles.shape[:-3]
+        (bq, bk), (nqb, nkb) = self.tiles.shape[-2:], self.pick.shape
+        tiles = xp.asarray(self.tiles, device=device)
+        mask = xp.take(tiles, xp.asarray(self.pick.ravel(), device=device), axis=len(lead))
+        mask = xp.reshape(mask, (*lead, nqb, nkb, bq, bk))
+        axes = tuple(range(len(lead)))
+        mask = xp.reshape(
+            xp.permute_dims(mask, (*axes, *(a + len(lead) for a in (0, 2, 1, 3)))),
+            (*lead, nqb * bq, nkb * bk),
+        )
+        return mask[..., self.first : self.first + self.rows, : self.cols]
+
+
+def _band_mask(layout, blocks, partial, b_idx, h_idx, rows, cols) -> _BandMask | None:
+    """The token mask of one band: a block lookup, with the rule evaluated only in the partial blocks (at
+    positions past the sequences clamped, then cut); None where every pair of the band attends.
+
+    Same values as ``layout.token_mask`` (the rule gets absolute batch and query-head indices). The mask is
+    ``[rows, cols]`` unless the rule depends on the batch or head, then ``[b|1, h|1, rows, cols]``. ``rows``
+    are consecutive, ``cols`` the tokens of whole key blocks, the last cut at the sequence's end.
     """
-    qb, kb = rows // layout.block_size[0], cols // layout.block_size[1]
-    mask = blocks[np.ix_(qb, kb)]
-    if layout.rule is None:
-        return None if mask.all() else mask
-    i, j = np.nonzero(partial[np.ix_(qb, kb)])
-    if i.size == 0:
-        return None if mask.all() else mask
-    vals = layout.rule(b_idx[:, None, None], h_idx[None, :, None], rows[i], cols[j])
-    vals = np.broadcast_to(vals, np.broadcast_shapes(vals.shape, i.shape))
-    mask = np.broadcast_to(mask, vals.shape[:-1] + mask.shape).copy()
-    mask[..., i, j] = vals
-    return mask
+    bq, bk = layout.block_size
+    qb = np.arange(rows[0] // bq, rows[-1] // bq + 1)
+    kb = np.unique(cols // bk)
+    pick = blocks[np.ix_(qb, kb)].astype(np.intp)  # tile 0: no pair attends; 1: every pair
+    pi, pj = np.nonzero(partial[np.ix_(qb, kb)]) if layout.rule is not None else ((), ())
+    if len(pi) == 0 and pick.all():
+        return None
+    tiles = np.arange(2)[:, None, None] * np.ones((bq, bk), bool)
+    if len(pi):
+        q = np.minimum((qb[pi] * bq)[:, None, None] + np.arange(bq)[:, None], layout.seq_q - 1)
+        k = np.minimum((kb[pj] * bk)[:, None, None] + np.arange(bk), layout.seq_k - 1)
+        vals = layout.rule(b_idx[:, None, None, None, None], h_idx[None, :, None, None, None], q, k)
+        vals = np.broadcast_to(vals, np.broadcast_shapes(np.shape(vals), (len(pi), bq, bk)))
+        tiles = np.concatenate([np.broadcast_to(tiles, vals.shape[:-3] + tiles.shape), vals], axis=-3)
+        pick[pi, pj] = 2 + np.arange(len(pi))
+    return _BandMask(tiles.astype(bool), pick, int(rows[0] - qb[0] * bq), rows.size, cols.size)
 
 
 class _Band:
@@ -442,7 +481,7 @@ class _Band:
         """The scores with the masked pairs set to -inf."""
         if self.chunk.mask is None:
             return s
-        mask = self.xp.asarray(self.chunk.mask, device=self.device)
+        mask = self.chunk.mask.build(self.xp, self.device)
         return self.xp.where(mask, s, self.minus_inf(s.dtype))
 
     def positions(self, layout: BlockLayout) -> tuple:

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 MAX_PARAMS, MAX_ARRAYS = 8, 4  # the P0..P7 and A0..A3 slots a rule's C expression may use
-_NARROW_TOKENS = re.compile(r"[A-Za-z_]\w*|\d+|&&|\|\||<<|>>|[<>=!]=|[-+/%<>!?:()\[\]]")
-_NARROW_NAME = re.compile(r"[bhqk]|P[0-7]|A[0-3]|true|false")
+_NARROW_TOKENS = re.compile(r"[A-Za-z_]\w*|\d+|&&|\|\||<<|>>|[<>=!]=|[-+/%<>!?:(),\[\]]")
+_NARROW_NAME = re.compile(r"[bhqk]|P[0-7]|A[0-3]|true|false|RuleInt|min|max")
+_NOT_VALUES = {"RuleInt", "min", "max", "true", "false"}  # names in a rule that are no term of its sums
 
 
 def _tokens(expr: str) -> list[str] | None:
@@ -24,9 +25,10 @@ def _tokens(expr: str) -> list[str] | None:
 
 
 def narrowable(expr: str) -> bool:
-    """Whether a rule's C expression only adds, subtracts, divides and compares its names, parameters, array
-    elements and literals (no products, shifts, casts or calls): then its value is bounded by its terms', and
-    the kernels compile it for 32-bit integers as well (TokenRule.narrow decides at run time)."""
+    """Whether a rule's C expression only adds, subtracts, divides, compares and takes the least or largest
+    of its names, parameters, array elements and literals (no products, shifts or other calls; casts to the
+    kernels' RuleInt alone): then its value is bounded by its terms', and the kernels compile it for 32-bit
+    integers as well (TokenRule.narrow decides at run time)."""
     tokens = _tokens(expr)
     return tokens is not None and not any(
         t in ("<<", ">>") or t.isidentifier() and not _NARROW_NAME.fullmatch(t) for t in tokens
@@ -217,7 +219,7 @@ class TokenRule:
         expr = self.kernel_expr
         if expr is None or not narrowable(expr):
             return False
-        terms = [t for t in _NARROW_TOKENS.findall(expr) if t[0].isalnum()]
+        terms = [t for t in _NARROW_TOKENS.findall(expr) if t[0].isalnum() and t not in _NOT_VALUES]
         terms += ["k0", "1"] if key_band(expr) or query_band(expr) else []
         largest = max(
             [positions, *(abs(int(x)) for x in self.params)]

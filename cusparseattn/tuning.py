@@ -77,9 +77,17 @@ FLOAT32_TILES = {
         256: [(16, 64, 4), (16, 32, 2), (16, 16, 1)],
     },
 }
-# float32 at precision "highest" (split TF32: each operand in two registers), where FLOAT32_TILES' spill: the
-# dK/dV pass's 32 queries a step at head dim 128.
-HIGHEST_TILES = {"backward_dkdv": {128: [(16, 128, 8), (16, 64, 4), (16, 32, 2)]}}
+# float32 at precision "highest" (split TF32: each operand in two registers, and the products of each step
+# summed in fresh accumulators, common.cuh's mma_AB), where FLOAT32_TILES' spill: smaller key tiles in the
+# forward and dQ passes, fewer queries a step in the dK/dV pass.
+HIGHEST_TILES = {
+    "forward": {64: [(128, 32, 8), (64, 32, 4)], 128: [(128, 32, 8), (64, 32, 4)]},
+    "backward_dq": {
+        128: [(128, 32, 8), (64, 32, 4), (64, 16, 4)],
+        256: [(64, 16, 4), (32, 16, 2), (16, 16, 1)],
+    },
+    "backward_dkdv": {64: [(32, 128, 8), (32, 64, 4)], 128: [(16, 128, 8), (16, 64, 4), (16, 32, 2)]},
+}
 # Passes that read no layout and no score mod: one kernel serves every layout (cuda.py builds them plain).
 PLAIN = ("backward_stats", "backward_dq_convert", "forward_combine")
 # Hopper kernels (sm_90a: TMA, wgmma, a producer warpgroup) take head dims of whole 64-element panels.

@@ -105,14 +105,14 @@ extern "C" __global__ void CSA_LAUNCH_BOUNDS
 #pragma unroll
                     for (int j = 0; j < 4; ++j)
                         st[n][j] = exp2f(fmaf(st[n][j], scale_log2, -lse2_s[n * 8 + 2 * t + (j & 1)]));  // P^T
-                mma_AB<TILE_M, DW>(dv, st, dos + split * DW, lane);
+                mma_AB<TILE_M, DW, true>(dv, st, dos + split * DW, lane);
                 if constexpr (!SCORE_MOD) mma_ABt<TILE_M>(dpt, vf, dos, lane);
 #pragma unroll
                 for (int n = 0; n < TILE_M / 8; ++n)
 #pragma unroll
                     for (int j = 0; j < 4; ++j)
                         st[n][j] = dscore(st[n][j], dpt[n][j], delta_s[n * 8 + 2 * t + (j & 1)]);  // dS^T
-                mma_AB<TILE_M, DW>(dk, st, qs + split * DW, lane);
+                mma_AB<TILE_M, DW, true>(dk, st, qs + split * DW, lane);
             });
     }
 

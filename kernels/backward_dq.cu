@@ -71,7 +71,7 @@ extern "C" __global__ void CSA_LAUNCH_BOUNDS
                 TilePos<false>(p, q_tile0, e.x * TILE_N, warp * 16, lane));
             if (e.y >= 0) apply_mask<TILE_N>(s, keep);
             scores_to_ds<TILE_N>(s, dp, lse2, delta, scale_log2);
-            mma_AB<TILE_N, HEAD_DIM>(dq, s, ks, lane);
+            mma_AB<TILE_N, HEAD_DIM, true>(dq, s, ks, lane);
         });
 
     const float factor[2] = {p.scale, p.scale};

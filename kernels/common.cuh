@@ -304,37 +304,63 @@ __device__ __forceinline__ void mma_ABt(float (&s)[N / 8][4], const Frag& a_frag
 // over k in any order, so k-step kk takes n-tile kk's accumulators as they lie (its k = t is column 2t, k = t + 4
 // column 2t + 1) and B's rows in the same order, 2t and 2t + 1: single words (ldmatrix cannot transpose 32-bit
 // elements), rows two apart 8 banks apart (SMEM_ROW).
-template <int K, int DW>
+// FRESH (split TF32, CSA_TF32X3): the tensor cores add into an fp32 accumulator without rounding to nearest, an
+// error that grows with each add into an accumulator grown large; O and dQ sum over every key, dK and dV over
+// every query, past float32's rounding. So the products of one call go, an n-tile at a time, to a fresh
+// accumulator that a rounded FADD adds to o, A's operands formed again for each n-tile: registers that
+// float32's tiles at "highest" leave free (tuning.HIGHEST_TILES).
+template <int K, int DW, bool FRESH = false>
 __device__ __forceinline__ void mma_AB(float (&o)[DW / 8][4], const float (&p)[K / 8][4], const elem_t* b_smem,
                                        int lane) {
 #if CSA_DTYPE_F32
     const elem_t* base = b_smem + 2 * (lane & 3) * SMEM_ROW + (lane >> 2);
-#else
-    const elem_t* base = b_smem + ((lane & 7) + (((lane >> 3) & 1) << 3)) * SMEM_ROW + (lane >> 4) * 8;
+    const auto a_operand = [&](int kk) {
+        return operand<4>({__float_as_uint(p[kk][0]), __float_as_uint(p[kk][2]), __float_as_uint(p[kk][1]),
+                           __float_as_uint(p[kk][3])});
+    };
+#if CSA_TF32X3
+    if constexpr (FRESH) {
+#pragma unroll
+        for (int d = 0; d < DW / 8; ++d) {
+            float part[4] = {};
+#pragma unroll
+            for (int kk = 0; kk < K / MMA_K; ++kk) {
+                const elem_t* at = base + kk * MMA_K * SMEM_ROW + d * 8;
+                mma(part, a_operand(kk), __float_as_uint(at[0]), __float_as_uint(at[SMEM_ROW]));
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) o[d][j] += part[j];
+        }
+        return;
+    }
 #endif
 #pragma unroll
     for (int kk = 0; kk < K / MMA_K; ++kk) {
-#if CSA_DTYPE_F32
-        const Operand<4> a = operand<4>({__float_as_uint(p[kk][0]), __float_as_uint(p[kk][2]),
-                                         __float_as_uint(p[kk][1]), __float_as_uint(p[kk][3])});
-#else
-        unsigned a[4] = {pack_u32(p[2 * kk][0], p[2 * kk][1]), pack_u32(p[2 * kk][2], p[2 * kk][3]),
-                         pack_u32(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack_u32(p[2 * kk + 1][2], p[2 * kk + 1][3])};
-#endif
+        const Operand<4> a = a_operand(kk);
 #pragma unroll
         for (int d = 0; d < DW / 8; d += 2) {
             const elem_t* at = base + kk * MMA_K * SMEM_ROW + d * 8;
-            unsigned b[4];
-#if CSA_DTYPE_F32
-            b[0] = __float_as_uint(at[0]), b[1] = __float_as_uint(at[SMEM_ROW]);
-            b[2] = __float_as_uint(at[8]), b[3] = __float_as_uint(at[SMEM_ROW + 8]);
-#else
-            ldmatrix_x4_trans(b, at);
-#endif
+            const unsigned b[4] = {__float_as_uint(at[0]), __float_as_uint(at[SMEM_ROW]), __float_as_uint(at[8]),
+                                   __float_as_uint(at[SMEM_ROW + 8])};
             mma(o[d], a, b[0], b[1]);
             mma(o[d + 1], a, b[2], b[3]);
         }
     }
+#else
+    const elem_t* base = b_smem + ((lane & 7) + (((lane >> 3) & 1) << 3)) * SMEM_ROW + (lane >> 4) * 8;
+#pragma unroll
+    for (int kk = 0; kk < K / MMA_K; ++kk) {
+        unsigned a[4] = {pack_u32(p[2 * kk][0], p[2 * kk][1]), pack_u32(p[2 * kk][2], p[2 * kk][3]),
+                         pack_u32(p[2 * kk + 1][0], p[2 * kk + 1][1]), pack_u32(p[2 * kk + 1][2], p[2 * kk + 1][3])};
+#pragma unroll
+        for (int d = 0; d < DW / 8; d += 2) {
+            unsigned b[4];
+            ldmatrix_x4_trans(b, base + kk * MMA_K * SMEM_ROW + d * 8);
+            mma(o[d], a, b[0], b[1]);
+            mma(o[d + 1], a, b[2], b[3]);
+        }
+    }
+#endif
 }
 
 // Stores a warp's 16 x DW accumulator rows, each multiplied by its row's factor, as elements: rows at or past

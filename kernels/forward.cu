@@ -18,6 +18,8 @@ constexpr int Q_ELEMS = TILE_M * SMEM_ROW;
 constexpr int KV_ELEMS = TILE_N * SMEM_ROW;
 constexpr int SMEM_BYTES = (Q_ELEMS + 2 * 2 * KV_ELEMS) * sizeof(elem_t);
 static_assert(SMEM_BYTES == SHARED_BYTES, "the builder launches with the kernel's shared memory size");
+// Split TF32's fresh sums (mma_AB): past head dim 128 the output's accumulators leave no registers for them.
+constexpr bool FRESH_SUMS = HEAD_DIM <= 128;
 
 extern "C" __global__ void CSA_LAUNCH_BOUNDS
     csa_forward(const __grid_constant__ Params p) {
@@ -60,7 +62,7 @@ extern "C" __global__ void CSA_LAUNCH_BOUNDS
             apply_score_mod<false, TILE_N>(p, s, b, h, TilePos<false>(p, q_tile0, e.x * TILE_N, warp * 16, lane));
             if (e.y >= 0) apply_mask<TILE_N>(s, keep);
             sm.update(s, o, softmax_scale(p));
-            mma_AB<TILE_N, HEAD_DIM>(o, s, ks + KV_ELEMS, lane);
+            mma_AB<TILE_N, HEAD_DIM, FRESH_SUMS>(o, s, ks + KV_ELEMS, lane);
         });
 
     finish_rows(p, sm, o, b, h, q_tile0 + warp * 16, lane);

@@ -608,6 +608,10 @@ def test_narrow_rules_are_sums_and_comparisons_of_small_values():
     assert not rule("k <= q + 3000000000").narrow(10)
     for expr in ("q * 2 <= k", "csa::floormod(k, P0) == 0", "(long long)q <= k", "q << 1 <= k", "k <= 1ll"):
         assert not rule(expr, (3,)).narrow(100), expr
+    # As cusparseattn.trace prints a table's elements: clamped at its length, cast to the kernels' RuleInt.
+    doc = "((RuleInt)A0[min(q, (P0 - 1))]) == ((RuleInt)A0[min(k, (P0 - 1))])"
+    assert rule(doc, (100,), (np.arange(4),)).narrow(100)
+    assert not rule(doc, (100,), (np.array([0, 1 << 29]),)).narrow(100)  # five terms of 2^29
     assert not TokenRule("r", lambda b, h, q, k: q == q).narrow(100)  # no C expression at all
     # The kernels compile c_partial where there is one: that is the expression judged.
     assert TokenRule("r", lambda b, h, q, k: q == q, c_expr="q * k == 0", c_partial="k <= q").narrow(100)

@@ -66,7 +66,7 @@ def expand(blocks: np.ndarray, block: int, seq: int) -> np.ndarray:
 def run_c(rule: TokenRule, batch: int, heads: int, sq: int, sk: int, tmp_path, expr=None) -> np.ndarray:
     """Evaluate ``rule.c_expr`` (or `expr`, over the rule's parameters) with the C compiler over every
     in-range (b, h, q, k)."""
-    lines = ["#include <stdbool.h>", "#include <stdio.h>"]
+    lines = ["#include <stdbool.h>", "#include <stdio.h>", "typedef long long RuleInt;"]
     lines += ["#define min(a, b) ((a) < (b) ? (a) : (b))", "#define max(a, b) ((a) > (b) ? (a) : (b))"]
     lines += [f"#define P{i} ({int(v)}LL)" for i, v in enumerate(rule.params)]
     for i, arr in enumerate(rule.arrays):

@@ -105,7 +105,7 @@ def no_fallback(monkeypatch):
 @pytest.fixture
 def small_bands(monkeypatch):
     """Bands of a few block rows, so that every case walks several bands and gathers keys in several runs."""
-    monkeypatch.setattr(reference, "CHUNK_BYTES", 1 << 18)
+    monkeypatch.setattr(reference, "DEVICE_CHUNK_BYTES", 1 << 18)
 
 
 # ---- CuPy ------------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from cusparseattn import mods, patterns, trace
 from cusparseattn.program import MASK_NAMES, SCORE_NAMES
+from cusparseattn.rules import narrowable
 from cusparseattn.traced import NotCompilable, TraceError
 
 _TABLES = np.random.default_rng(7)
@@ -390,6 +391,7 @@ def host_program(cases, env) -> str:
         "#include <stdio.h>",
         "#define __device__",
         "#define __forceinline__ inline",
+        "typedef long long RuleInt;  // the kernels' 64-bit form of a mask",
         "static inline long long min(long long a, long long b) { return a < b ? a : b; }",
         "static inline long long max(long long a, long long b) { return a > b ? a : b; }",
         CSA_HELPERS,
@@ -422,21 +424,26 @@ def host_program(cases, env) -> str:
 def device_source(cases) -> str:
     """One kernel per case, the slots as kernel arguments, as the lead's kernels see them."""
     lines = [CSA_HELPERS]
-    lines += [f"#define P{i} (p_[{i}])" for i in range(SLOTS)] + [
+    lines += [f"#define P{i} (static_cast<RuleInt>(p_[{i}]))" for i in range(SLOTS)] + [
         f"#define SI{i} (p_[{i}])" for i in range(SLOTS)
     ]
     lines += [f"#define SF{i} (f_[{i}])" for i in range(SLOTS)]
     lines += [f"#define A{i} (a_[{i}])" for i in range(ARRAY_SLOTS)]
     lines += [f"#define SA{i} (sa_[{i}])" for i in range(ARRAY_SLOTS)]
+    args = "const float* S, const long long* I, float* out, const long long* p_, const float* f_, "
+    args += "const void* const* sa_, const int* const* a_"
     for i, case in enumerate(cases):
         body = " ".join(f"out[{j} * 256 + n] = (float)({t});" for j, t in enumerate(case.texts))
+        # A mask in long long, and in int where the kernels take it so (RuleInt); a score mod in long long.
+        narrow = case.role == "mask_mod" and all(narrowable(t) for t in case.texts)
+        types = ("int", "long long") if narrow else ("long long",)
         lines += [
-            f'extern "C" __global__ void case{i}(const float* S, const long long* I, float* out,',
-            "    const long long* p_, const float* f_, const void* const* sa_, const int* const* a_) {",
+            f"template <typename RuleInt> __global__ void case{i}({args}) {{",
             "  const int n = threadIdx.x; const float s = S[n];",
-            "  const long long b = I[n], h = I[256 + n], q = I[512 + n], k = I[768 + n];",
+            "  const RuleInt b = I[n], h = I[256 + n], q = I[512 + n], k = I[768 + n];",
             f"  (void)s; (void)b; (void)h; (void)q; (void)k; {body}",
             "}",
+            *(f"template __global__ void case{i}<{t}>({args});" for t in types),
         ]
     return "\n".join(lines) + "\n"
 
@@ -712,3 +719,20 @@ def test_a_where_choice_counts_only_where_its_condition_holds():
     ).c_text("value", MASK_NAMES)
     assert text == "(((q >= P0) ? ((q - P0) / 8) : (csa::floordiv((q - P0), 8) + P1)) == k)", text
     assert not narrowable(text)
+
+
+def test_flexattention_rules_narrow_to_32_bits_as_the_builtin_patterns():
+    """A FlexAttention user's documents, windows and clamped neighbourhoods, written with torch, reach the
+    kernels as expressions in their RuleInt, exact in 32-bit integers at these lengths as the built-in
+    patterns' (`patterns.document`, `patterns.local`)."""
+    doc = torch.as_tensor(np.repeat(np.arange(4), 1024))
+    rules = {
+        "document": lambda b, h, q, k: (doc[q] == doc[k]) & (q >= k),
+        "window": lambda b, h, q, k: (q - k).abs() <= 100,
+        "clamped": lambda b, h, q, k: (k - q.clamp(64, 4000)).abs() <= 64,
+    }
+    for name, fn in rules.items():
+        rule = patterns.from_mask(fn, block=128).layout(4096).rule
+        assert "long long" not in rule.kernel_expr and "LL" not in rule.kernel_expr, name
+        assert rule.narrow(4096 + 256) and not rule.narrow(1 << 30), name
+    assert patterns.document(np.repeat(np.arange(4), 1024)).layout(4096).rule.narrow(4096 + 256)
