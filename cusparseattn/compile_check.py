@@ -3,6 +3,7 @@ architectures, failing on an error or a register spill. A step of ``.ci/run`` wh
 GPU needed)::
 
     python -m cusparseattn.compile_check --check sm_80 sm_90
+    python -m cusparseattn.compile_check --check sm_80 sm_90 --nvrtc   # NVRTC's code, as the run time's
 """
 
 from __future__ import annotations
@@ -111,22 +112,28 @@ def _nvrtc_library():
 
 
 def nvrtc_compile(lib, source: str, arch: str, include: str) -> str:
-    """Compiles with NVRTC, as CuPy does at run time (no host headers, CuPy's -ftz=true); returns the log."""
+    """Compiles with NVRTC, as CuPy does at run time (no host headers, CuPy's -ftz=true), for a virtual
+    architecture (compute_90); returns the PTX. Raises RuntimeError with NVRTC's log on an error."""
     import ctypes
 
     prog = ctypes.c_void_p()
     lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"k.cu", 0, None, None)
-    opts = [*build.nvrtc_options(), f"--gpu-architecture={arch}", f"-I{include}", "-ftz=true"]
-    argv = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
-    status = lib.nvrtcCompileProgram(prog, len(opts), argv)
-    size = ctypes.c_size_t()
-    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    buf = ctypes.create_string_buffer(size.value)
-    lib.nvrtcGetProgramLog(prog, buf)
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    if status != 0:
-        raise RuntimeError(buf.value.decode(errors="replace"))
-    return buf.value.decode(errors="replace")
+    try:
+        opts = [*build.nvrtc_options(), f"--gpu-architecture={arch}", f"-I{include}", "-ftz=true"]
+        argv = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
+        if lib.nvrtcCompileProgram(prog, len(opts), argv) != 0:
+            size = ctypes.c_size_t()
+            lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value)
+            lib.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(log.value.decode(errors="replace"))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+        ptx = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetPTX(prog, ptx)
+        return ptx.value.decode()
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
 def compile_targets(archs: list[str], specs=None) -> dict[KernelSpec | RuleSpec, list[str]]:
@@ -140,10 +147,12 @@ def compile_targets(archs: list[str], specs=None) -> dict[KernelSpec | RuleSpec,
     }
 
 
-def check(archs: list[str], specs=None) -> int:
-    """Compile every spec (or those of ``specs``) with nvcc for each arch (registers, spills) and with NVRTC
-    where libnvrtc is installed (the run-time path); returns the number that failed. Fails on an error, a
-    spill or warpgroup MMAs that ptxas serialized. Needs nvcc, no GPU."""
+def check(archs: list[str], specs=None, *, nvrtc: bool = False) -> int:
+    """Compile every spec (or those of ``specs``) for each arch, failing on an error, a register spill or
+    warpgroup MMAs that ptxas serialized; returns the number that failed. nvcc compiles, and where libnvrtc
+    is installed NVRTC's front end takes the source as the run time does; with ``nvrtc``, NVRTC's PTX goes
+    to ptxas, as at run time: its registers and spills, which can differ from nvcc's. Needs nvcc's toolkit,
+    no GPU."""
     import os
     import shutil
     import subprocess
@@ -155,39 +164,43 @@ def check(archs: list[str], specs=None) -> int:
     if nvcc is None:
         print("FAIL: nvcc is not on PATH")
         return 1
+    ptxas = shutil.which("ptxas") or str(Path(nvcc).resolve().parent / "ptxas")
     lib, include = _nvrtc_library() or (None, None)
-    print(f"nvcc: {nvcc}; NVRTC: {include or 'not installed, skipped'}")
+    if nvrtc and lib is None:
+        print("FAIL: --nvrtc needs libnvrtc (pip install nvidia-cuda-nvrtc)")
+        return 1
+    source = "NVRTC's PTX" if nvrtc else "nvcc"
+    print(f"nvcc: {nvcc}; NVRTC: {include or 'not installed, skipped'}; registers of {source}")
 
     def compile_one(tmp: str, spec: KernelSpec | RuleSpec, arch: str, last: bool) -> tuple[str, list[str]]:
         src = Path(tmp) / f"{spec.name}_{arch}.cu"
-        src.write_text(spec.source())
-        # -ftz=true as CuPy gives NVRTC at run time: registers and spills of the code that runs.
-        cmd = [
-            nvcc,
-            "-cubin",
-            f"-arch={arch}",
-            "-std=c++17",
-            "-ftz=true",
-            "-Xptxas",
-            "-v",
-            str(src),
-            "-o",
-            os.devnull,
-        ]
-        res = subprocess.run(cmd, capture_output=True, text=True)
+        problems = []
+        if nvrtc:
+            try:
+                ptx = nvrtc_compile(lib, spec.source(), arch.replace("sm_", "compute_"), include)
+            except RuntimeError as err:
+                return f"FAIL {arch} {spec.name}", [f"NVRTC: {err}"]
+            src = src.with_suffix(".ptx")
+            src.write_text(ptx)
+            cmd = [ptxas, f"-arch={arch}", "-v", str(src)]
+        else:
+            src.write_text(spec.source())
+            # -ftz=true as CuPy gives NVRTC at run time.
+            cmd = [nvcc, "-cubin", f"-arch={arch}", "-std=c++17", "-ftz=true", "-Xptxas", "-v", str(src)]
+            # NVRTC's front end is the same for every arch: once per spec (nvcc's ptxas runs for each).
+            if lib is not None and last:
+                try:
+                    nvrtc_compile(lib, spec.source(), arch.replace("sm_", "compute_"), include)
+                except RuntimeError as err:
+                    problems.append(f"NVRTC: {err}")
+        res = subprocess.run([*cmd, "-o", os.devnull], capture_output=True, text=True)
         regs = re.search(r"Used (\d+) registers", res.stderr)
         spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", res.stderr)]
-        problems = [res.stderr] if res.returncode else []
+        problems += [res.stderr] if res.returncode else []
         if any(spills):
             problems.append(f"register spills {spills}")
         # ptxas waits for each warpgroup MMA where the code around one would read its registers in flight.
         problems += re.findall(r"\(C75\d\d\).*", res.stderr)
-        # NVRTC's front end is the same for every arch: once per spec, to PTX (nvcc's ptxas ran above).
-        if lib is not None and last:
-            try:
-                nvrtc_compile(lib, spec.source(), arch.replace("sm_", "compute_"), include)
-            except RuntimeError as err:
-                problems.append(f"NVRTC: {err}")
         line = (
             f"{'FAIL' if problems else 'ok':4} {arch} {spec.name}: {regs.group(1) if regs else '?'} registers"
         )
@@ -213,8 +226,11 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=check.__doc__)
     parser.add_argument("--check", nargs="+", metavar="ARCH", default=["sm_80", "sm_90"])
+    parser.add_argument(
+        "--nvrtc", action="store_true", help="registers and spills of NVRTC's code (run time's)"
+    )
     args = parser.parse_args(argv)
-    return 1 if check(args.check) else 0
+    return 1 if check(args.check, nvrtc=args.nvrtc) else 0
 
 
 if __name__ == "__main__":

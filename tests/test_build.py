@@ -231,6 +231,18 @@ def test_one_specialisation_compiles_without_spills(capsys):
     assert f"ok   sm_80 {spec.name}: " in report and "1 of 1 compiled for sm_80: 0 failed" in report
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_the_compile_check_takes_nvrtcs_code_on_request(capsys):
+    """``--nvrtc``: NVRTC's PTX through ptxas, the registers and spills of the code the run time loads."""
+    spec = build.KernelSpec.make("forward", "bfloat16", 64, "expr", "k <= q + P0")
+    failures = compile_check.check(["sm_80"], [spec], nvrtc=True)
+    report = capsys.readouterr().out
+    if "--nvrtc needs libnvrtc" in report:
+        pytest.skip("libnvrtc is not installed")
+    assert failures == 0, report
+    assert "registers of NVRTC's PTX" in report and f"ok   sm_80 {spec.name}: " in report
+
+
 # The Hopper pass whose scratch each PLAIN pass reads by that pass's query tiles.
 BESIDE = {
     "backward_stats": "backward_sm90",
