@@ -175,11 +175,15 @@ def check(archs: list[str], specs=None, *, nvrtc: bool = False) -> int:
     def compile_one(tmp: str, spec: KernelSpec | RuleSpec, arch: str, last: bool) -> tuple[str, list[str]]:
         src = Path(tmp) / f"{spec.name}_{arch}.cu"
         problems = []
-        if nvrtc:
+        # Beside nvcc, NVRTC's front end is the same for every arch: once per spec.
+        if nvrtc or (lib is not None and last):
             try:
                 ptx = nvrtc_compile(lib, spec.source(), arch.replace("sm_", "compute_"), include)
             except RuntimeError as err:
-                return f"FAIL {arch} {spec.name}", [f"NVRTC: {err}"]
+                problems.append(f"NVRTC: {err}")
+        if nvrtc:
+            if problems:
+                return f"FAIL {arch} {spec.name}", problems
             src = src.with_suffix(".ptx")
             src.write_text(ptx)
             cmd = [ptxas, f"-arch={arch}", "-v", str(src)]
@@ -187,12 +191,6 @@ def check(archs: list[str], specs=None, *, nvrtc: bool = False) -> int:
             src.write_text(spec.source())
             # -ftz=true as CuPy gives NVRTC at run time.
             cmd = [nvcc, "-cubin", f"-arch={arch}", "-std=c++17", "-ftz=true", "-Xptxas", "-v", str(src)]
-            # NVRTC's front end is the same for every arch: once per spec (nvcc's ptxas runs for each).
-            if lib is not None and last:
-                try:
-                    nvrtc_compile(lib, spec.source(), arch.replace("sm_", "compute_"), include)
-                except RuntimeError as err:
-                    problems.append(f"NVRTC: {err}")
         res = subprocess.run([*cmd, "-o", os.devnull], capture_output=True, text=True)
         regs = re.search(r"Used (\d+) registers", res.stderr)
         spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", res.stderr)]

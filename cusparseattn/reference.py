@@ -442,7 +442,7 @@ def _band_mask(layout, blocks, partial, b_idx, h_idx, rows, cols) -> _BandMask |
     pi, pj = np.nonzero(partial[np.ix_(qb, kb)]) if layout.rule is not None else ((), ())
     if len(pi) == 0 and pick.all():
         return None
-    tiles = np.arange(2)[:, None, None] * np.ones((bq, bk), bool)
+    tiles = np.stack([np.zeros((bq, bk), bool), np.ones((bq, bk), bool)])
     if len(pi):
         q = np.minimum((qb[pi] * bq)[:, None, None] + np.arange(bq)[:, None], layout.seq_q - 1)
         k = np.minimum((kb[pj] * bk)[:, None, None] + np.arange(bk), layout.seq_k - 1)
