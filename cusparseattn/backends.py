@@ -185,7 +185,7 @@ class _CudaForward(PreparedForward):
     def run(self, inputs):
         q = inputs.q
         out, lse = q.empty(q.shape, q.dtype), q.empty(q.shape[:3], "float32")
-        self._launch.run(q, inputs.k, inputs.v, out, lse)
+        self._launch.run(q, inputs.k, inputs.v, out, lse, inputs.layout)
         out.name, lse.name = "out", "lse"
         return out, lse
 
@@ -205,7 +205,7 @@ class _CudaBackward(PreparedBackward):
         launch, q, k = self._launch, inputs.q, inputs.k
         dq, dk, dv = q.empty(q.shape, q.dtype), k.empty(k.shape, k.dtype), k.empty(k.shape, k.dtype)
         stats = q.empty(launch.stats_shape, "float32")  # the passes' scratch (cuda.stats_shape)
-        launch.run(inputs.dout, q, k, inputs.v, inputs.out, inputs.lse, dq, dk, dv, stats)
+        launch.run(inputs.dout, q, k, inputs.v, inputs.out, inputs.lse, dq, dk, dv, stats, inputs.layout)
         dq.name, dk.name, dv.name = "dq", "dk", "dv"
         return dq, dk, dv
 
@@ -250,10 +250,9 @@ class CudaBackend(Backend):
 
         reasons = []
         if isinstance(inputs.layout, DynamicLayout):
-            reasons.append(
-                "the kernels do not take dynamic layouts (index arrays) yet: the reference runs them, "
-                "on the arrays' GPU through CuPy for float32 and float64"
-            )
+            from . import dynamic_tables
+
+            reasons += dynamic_tables.reasons(inputs.layout, inputs.framework)
         if not inputs.on_gpu:
             reasons.append(f"the inputs are on {device_name(inputs.device)}, not on a CUDA device")
         reasons += devices.available()

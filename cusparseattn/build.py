@@ -305,6 +305,76 @@ MASK_PARAMS = np.dtype(
 )  # fmt: skip
 
 
+# kernels/dynamic_tables.cu's TablesParams.
+_TABLE_POINTERS = (
+    "within",
+    "plus",
+    "chosen",
+    "visited",
+    "partial",
+    "row_count",
+    "col_count",
+    "row_ptr",
+    "col_ptr",
+    "entries",
+    "col_entries",
+    "sub_bits",
+)
+_TABLE_SIZES = (
+    "sel_batch",
+    "sel_heads",
+    "sel_group",
+    "w_batch",
+    "w_heads",
+    "p_batch",
+    "p_heads",
+    "lines_batch",
+    "lines_heads",
+    "n_qb",
+    "n_kb",
+    "width",
+    "words",
+    "block_q",
+    "block_k",
+    "cell_q",
+    "cell_k",
+    "per_q",
+    "per_k",
+    "cell_rows",
+    "cell_cols",
+    "tiles_q",
+    "tiles_k",
+    "tile_words",
+    "tile_n",
+    "seq_k",
+    "capacity",
+    "step",
+)
+TABLES_PARAMS = np.dtype(
+    [("indices", np.uint64), ("counts", np.uint64)]
+    + [(name, np.int64) for name in ("i_sb", "i_sh", "i_sr", "i_sk", "c_sb", "c_sh", "c_sr")]
+    + [(name, np.uint64) for name in _TABLE_POINTERS]
+    + [(name, np.int32) for name in _TABLE_SIZES],
+    align=True,
+)
+
+
+@dataclass(frozen=True)
+class TablesSpec:
+    """The kernel that builds a dynamic layout's tile tables on the GPU (kernels/dynamic_tables.cu); its
+    source asserts that `TABLES_PARAMS` is as large as the C struct it mirrors field by field."""
+
+    kernel = "dynamic_tables"
+    shared_bytes = 0
+    threads = 256
+    arch = None
+    name = "dynamic_tables"
+
+    def source(self) -> str:
+        size = f'static_assert(sizeof(TablesParams) == {TABLES_PARAMS.itemsize}, "TablesParams\' mirror");'
+        return _inline(self.kernel + ".cu") + "\n" + size + "\n"
+
+
 _INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
 
 
@@ -327,7 +397,7 @@ def nvrtc_options(arch: str | None = None) -> tuple[str, ...]:
 
 
 @functools.cache
-def load(spec: KernelSpec | RuleSpec, device: int):
+def load(spec: KernelSpec | RuleSpec | TablesSpec, device: int):
     """The compiled kernel of `spec` for one device (compiled once per process; CuPy caches it on disk)."""
     import cupy
 

@@ -270,7 +270,10 @@ def resolve_layout(layout, causal: bool, sizes: Sizes) -> BlockLayout | DynamicL
     Pattern (`mask_pattern`); ``causal`` intersects. A `DynamicLayout` stays one, checked against the sizes
     and its static parts built for them (`DynamicLayout.fit`)."""
     if isinstance(layout, DynamicLayout):
-        return layout.fit(sizes, causal)
+        block = layout.block_size
+        return layout.fit(
+            sizes, patterns.causal(block=block).layout(sizes.seq_q, sizes.seq_k) if causal else None
+        )
     if layout is None:
         return default_pattern(causal).layout(sizes.seq_q, sizes.seq_k)
     if callable(layout) and not isinstance(layout, (patterns.Pattern, BlockLayout, DynamicLayout)):

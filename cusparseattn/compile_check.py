@@ -12,14 +12,14 @@ import functools
 import re
 
 from . import build, tuning
-from .build import HALF_DTYPES, KernelSpec, RuleSpec
+from .build import HALF_DTYPES, KernelSpec, RuleSpec, TablesSpec
 
 
 def all_specs() -> list[KernelSpec | RuleSpec]:
     """The specialisations the CI compile check builds: every pass, head dim and mask kind in bfloat16,
     float16 without a mask, the smaller tiles that devices with less shared memory take, a score mod, the
-    same in float32 at both precisions for the passes that take it (`float32_specs`), and the block
-    classification of a rule."""
+    same in float32 at both precisions for the passes that take it (`float32_specs`), the block
+    classification of a rule and the builder of dynamic layouts' tables."""
     rules = [("none", None), ("bits", None), ("expr", "k <= q + P0")]
     specs = []
     for kernel, table in tuning.TILES.items():
@@ -54,7 +54,8 @@ def all_specs() -> list[KernelSpec | RuleSpec]:
         for kernel in ("forward", "backward_dq", "backward_dkdv", *tuning.ARCH)
     ]
     specs += float32_specs(rules)
-    return [*specs, RuleSpec("csa::floormod(k, P0) == 0 && A0[q] == A0[k]"), RuleSpec(TRACED_RULE)]
+    rule_specs = [RuleSpec("csa::floormod(k, P0) == 0 && A0[q] == A0[k]"), RuleSpec(TRACED_RULE)]
+    return [*specs, *rule_specs, TablesSpec()]
 
 
 def float32_specs(rules) -> list[KernelSpec]:

@@ -13,8 +13,9 @@ import functools
 
 import numpy as np
 
-from . import build, devices, env, plan, schedule, tuning
+from . import build, devices, dynamic_tables, env, plan, schedule, tuning
 from .arrays import contiguous_strides
+from .dynamic import DynamicLayout
 from .gpu_tables import device_tables, per_object, score_tables, set_rule
 from .launches import ARRAYS, Bound, bind_device, cupy_stream, make_pass, pool_scratch, run_launches, scratch
 from .layout import BlockLayout
@@ -30,11 +31,31 @@ def _tiled_tables(
     wide=False,
     dtype=None,
     precision="high",
+    sizes=None,
 ):
-    bits, itemsize = plan.rule_mode(layout) == "bits", build.DTYPES.get(dtype, 2)
+    """(tables, tiles) of `kernel` over `layout`; a dynamic layout's for a call of `sizes` (`_sizes`)."""
+    dynamic = isinstance(layout, DynamicLayout)
+    bits, itemsize = not dynamic and plan.rule_mode(layout) == "bits", build.DTYPES.get(dtype, 2)
     choice = (score is not None, bits, wide, itemsize, precision == "highest")
     tiles = tiles or tuning.tile_config(kernel, head_dim, devices.max_shared(device), *choice)
+    if dynamic:
+        return dynamic_tables.tables(layout, sizes, tiles[0], tiles[1], device), tiles
     return device_tables(layout, tiles[0], tiles[1], device), tiles
+
+
+def _sizes(q, k) -> tuple[int, int, int, int, int]:
+    """What a dynamic layout's tables depend on of a call: batch, query heads, KV heads, lengths."""
+    return q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+
+
+class _Refresh:
+    """A dynamic layout's tables filled from its index arrays, as a launch among a call's passes."""
+
+    def __init__(self, tables, layout: DynamicLayout):
+        self.tables, self.layout = tables, layout
+
+    def launch(self, stream: int, addresses: tuple) -> None:
+        self.tables.refresh(stream, self.layout)
 
 
 # Items per SM to a group of a persistent pass's deal (schedule.work_order, schedule.column_schedule). The
@@ -130,7 +151,7 @@ def forward(
     launch = Forward(
         q, k, v, layout, scale, score_mod=score_mod, tiles=tiles, out=out, lse=lse, precision=precision
     )
-    launch.run(q, k, v, out, lse)
+    launch.run(q, k, v, out, lse, layout)
 
 
 class Forward:
@@ -166,10 +187,13 @@ class Forward:
         with cupy.cuda.Device(device), cupy_stream(q.stream):
             bind_device(device)
             score = score_tables(score_mod, device)
-            wide = _wide_pays(kernel, layout, q.shape[3], batch, heads_q, device, score)
+            dynamic = isinstance(layout, DynamicLayout)
+            wide = not dynamic and _wide_pays(kernel, layout, q.shape[3], batch, heads_q, device, score)
             tables, tiles = _tiled_tables(
-                kernel, layout, q.shape[3], device, score, tiles, wide, q.dtype, precision
+                kernel, layout, q.shape[3], device, score, tiles, wide, q.dtype, precision, _sizes(q, k)
             )
+            # A dynamic layout's tables are filled at each run from its arrays (`run`'s layout).
+            self.dynamic = tables if dynamic else None
             rows, work, splits = {}, None, 0
             if kernel == "forward_sm90":  # persistent: one CTA per SM walks its part of the schedule
                 ctas = min(batch * heads_q * tables.plan.tiles_q, devices.sm_count(device))
@@ -203,15 +227,20 @@ class Forward:
                 self.launches.append(combine.bind(arrays, {}))
         # What a caller that makes the arrays itself makes for `launch`, C-contiguous: out, lse, the scratch
         # (shape, dtype name each). None when out or lse were given: the launches are bound to theirs.
-        contiguous = out is None and lse is None
+        # A dynamic layout's launches need its arrays: no raw-address launch for them.
+        contiguous = out is None and lse is None and self.dynamic is None
         self.made = tuple((made[n].shape, made[n].dtype) for n in names[3:]) if contiguous else None
 
-    def run(self, q, k, v, out, lse) -> None:
-        """Writes `out` and `lse` on q's stream."""
+    def run(self, q, k, v, out, lse, layout=None) -> None:
+        """Writes `out` and `lse` on q's stream; `layout`: the call's, where the launch was made for a
+        dynamic one's signature."""
         addresses = (q.data_ptr, k.data_ptr, v.data_ptr, out.data_ptr, lse.data_ptr)
         if self.scratch is not None:
             addresses += (scratch(q, self.scratch, self.device).data_ptr,)
-        self.launch(q.stream, addresses)
+        launches = self.launches
+        if self.dynamic is not None:
+            launches = [_Refresh(self.dynamic, layout), *launches]
+        run_launches(self.device, launches, q.stream, addresses)
 
     def launch(self, stream: int, addresses: tuple) -> None:
         """Launches on `stream` (a raw handle) over arrays at these addresses: q, k, v, then those of
@@ -281,7 +310,7 @@ def backward(
     """
     arrays = dict(dout=dout, out=out, lse=lse, dq=dq, dk=dk, dv=dv, stats=stats)
     Backward(q, k, v, layout, scale, score_mod=score_mod, precision=precision, **arrays).run(
-        dout, q, k, v, out, lse, dq, dk, dv, stats
+        dout, q, k, v, out, lse, dq, dk, dv, stats, layout
     )
 
 
@@ -320,7 +349,11 @@ class Backward:
         # The fused pass writes dK and dV through TMA too: given ones it cannot write take the two passes.
         written = (("dk", arrays.get("dk")), ("dv", arrays.get("dv")))
         writable = not any(devices.tma_reasons(name, t) for name, t in written if t is not None)
-        fused = self.hopper and writable and fused_backward(head_dim, self.device, q.dtype)
+        # A dynamic layout takes the two passes: the fused one's schedule is host work on the tile plan.
+        self.dynamic = isinstance(layout, DynamicLayout)
+        fused = (
+            self.hopper and writable and fused_backward(head_dim, self.device, q.dtype) and not self.dynamic
+        )
         made = {name: _Like(q.shape, q.dtype) for name in ("out", "dout", "dq")}
         made |= {name: _Like(k.shape, k.dtype) for name in ("dk", "dv")}
         made |= {"lse": _Like(q.shape[:3], "float32"), "stats": _Like(self.stats_shape, "float32")}
@@ -328,13 +361,14 @@ class Backward:
         # What a caller that makes the arrays itself makes for `launcher`, C-contiguous: dq, dk, dv, stats
         # (shape, dtype name each). None when any was given: the passes are bound to theirs.
         outputs = ("dq", "dk", "dv", "stats")
-        given = any(arrays.get(n) is not None for n in outputs)
+        given = any(arrays.get(n) is not None for n in outputs) or self.dynamic
         self.made = None if given else tuple((made[n].shape, made[n].dtype) for n in outputs)
         # The tables' uploads, on the stream of the first launch that reads them (as the forward's).
         with cupy.cuda.Device(self.device), cupy_stream(q.stream):
             bind_device(self.device)
             score = score_tables(score_mod, self.device)
             passes = self._fused if fused else self._two_passes
+            self._tables = []  # a dynamic layout's, filled at each run
             self._passes = passes(q, k, layout, score, scale)
         # The passes bound to each dout layout, by dout's strides: `Pass.bind` keeps them too, but its key
         # (every array's strides) costs more to build than a launch on the prepared path may spend.
@@ -347,8 +381,17 @@ class Backward:
         passes = []
         for kernel in ("backward_dq" + suffix, "backward_dkdv" + suffix):
             tables, tiles = _tiled_tables(
-                kernel, layout, head_dim, self.device, score, dtype=q.dtype, precision=self.precision
+                kernel,
+                layout,
+                head_dim,
+                self.device,
+                score,
+                dtype=q.dtype,
+                precision=self.precision,
+                sizes=_sizes(q, k),
             )
+            if self.dynamic and tables not in self._tables:
+                self._tables.append(tables)
             if kernel.startswith("backward_dq"):
                 grid = (tables.plan.tiles_q, heads_q, batch)
             else:
@@ -409,10 +452,12 @@ class Backward:
         raw stream handle, over arrays at these addresses: q, k, v, out, lse, dout, then those of `made`."""
         return functools.partial(run_launches, self.device, self.passes(dout))
 
-    def run(self, dout, q, k, v, out, lse, dq, dk, dv, stats) -> None:
-        """Writes `dq`, `dk`, `dv` and the scratch `stats` on dout's stream."""
+    def run(self, dout, q, k, v, out, lse, dq, dk, dv, stats, layout=None) -> None:
+        """Writes `dq`, `dk`, `dv` and the scratch `stats` on dout's stream; `layout`: the call's, where the
+        passes were made for a dynamic one's signature."""
         addresses = tuple(a.data_ptr for a in (q, k, v, out, lse, dout, dq, dk, dv, stats))
-        run_launches(self.device, self.passes(dout), dout.stream, addresses)
+        launches = [*(_Refresh(t, layout) for t in self._tables), *self.passes(dout)]
+        run_launches(self.device, launches, dout.stream, addresses)
 
 
 def classify_blocks(

@@ -21,12 +21,15 @@ is ignored (as padding), a block listed twice counts once, counts are clamped to
 are on the host, reading them is free, so the call checks them there and raises on an index below -1 or past
 the last key block and on counts outside ``[0, k]``; on a GPU nothing is read back and the rule above holds.
 
-The kernels do not take dynamic layouts yet (`cusparseattn.backends.why_not` says so); the reference runs
-them, reading the indices once per pass (one small copy to the host on a GPU: `DynamicLayout.to_layout`).
-For now a new `DynamicLayout` object makes a new plan and ``torch.compile`` takes it as a constant; under
-``jax.jit`` the index arrays may be traced (they are operands of the XLA call that runs the reference, so a
-jitted step takes new indices without tracing again). docs/dynamic.md has the kernels' design, which keys
-plans by the arrays' shapes and reads their values on the device.
+On a GPU the CUDA kernels run per-block layouts, forward and backward, on both kernel paths: their tile
+tables are built on the device at every call from the index arrays (`cusparseattn.dynamic_tables`), so a
+step reads nothing back on the host and replays in a CUDA graph with the indices refilled in place. They take
+one static part with partial blocks (``within`` or ``plus``: the other block-granular); `backends.why_not`
+says what else they refuse (per-token layouts, JAX arrays), and the reference runs those, reading the
+indices once per pass (one small copy to the host on a GPU: `DynamicLayout.to_layout`). A new
+`DynamicLayout` object makes a new plan (its tables and kernels are kept by the indices' shape) and
+``torch.compile`` takes it as a constant; under ``jax.jit`` the index arrays may be traced (they are operands
+of the XLA call that runs the reference, so a jitted step takes new indices without tracing again).
 
 >>> import numpy as np
 >>> import cusparseattn as ca
@@ -46,8 +49,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .arrays import Tensor, device_name, wrap
+from .arrays import Tensor, device_name, signature, wrap
 from .layout import BlockLayout, check_block
+from .pattern import Pattern
 from .rules import TokenRule
 
 PER = ("block", "token")
@@ -101,8 +105,6 @@ def _index_holder(x, name: str) -> Tensor:
 
 
 def _static(x, what: str):
-    from .patterns import Pattern
-
     if x is None or isinstance(x, (Pattern, BlockLayout)):
         return x
     raise TypeError(f"{what} must be a Pattern or a BlockLayout, got {type(x).__qualname__}")
@@ -114,8 +116,6 @@ def _join(a, b, op: str):
         return b
     if b is None:
         return a
-    from .patterns import Pattern
-
     if isinstance(a, Pattern) != isinstance(b, Pattern):
         raise TypeError(
             "a dynamic layout combines Patterns with Patterns and BlockLayouts with BlockLayouts; "
@@ -206,6 +206,17 @@ class DynamicLayout:
     def holders(self) -> list[Tensor]:
         return [h for h in (self._indices, self._counts) if h is not None]
 
+    def plan_key(self) -> tuple | None:
+        """What a plan of this layout depends on, for GPU arrays: ``per``, the block size, the static parts
+        by identity and the index arrays' signatures (`cusparseattn.arrays.signature`), never their values;
+        None on the host or inside ``jax.jit`` (those are keyed by the layout's identity)."""
+        if self.traced or self.device[0] == "cpu":
+            return None
+        described = tuple(signature(h.native) for h in self.holders())
+        if None in described:
+            return None
+        return (self.per, self.block_size, id(self.within), id(self.plus), described)
+
     @property
     def traced(self) -> bool:
         """Whether its arrays are traced inside ``jax.jit`` (no values yet)."""
@@ -238,10 +249,11 @@ class DynamicLayout:
     __rand__, __ror__ = __and__, __or__
 
     # ---- fitting a call ----------------------------------------------------------------------------------
-    def fit(self, sizes, causal: bool = False) -> DynamicLayout:
+    def fit(self, sizes, causal=None) -> DynamicLayout:
         """This layout for a call of `cusparseattn.call.Sizes` ``sizes``: checked (framework, device, rows,
-        batch, heads; on the host also the values), its static parts built for the call's lengths, ``causal``
-        intersected. Raises naming what does not fit."""
+        batch, heads; on the host also the values), its static parts built for the call's lengths, a causal
+        layout for them intersected where ``causal`` (a BlockLayout) is given. Raises naming what does not
+        fit."""
         i = self._indices
         if i.framework != sizes.framework or device_name(i.device) != device_name(sizes.device):
             raise ValueError(
@@ -272,11 +284,7 @@ class DynamicLayout:
             out._check_values(-(-sizes.seq_k // bk))
         parts = [_resolved(p, sizes) for p in (out.within, out.plus)]
         out = out._with(*parts)
-        if causal:
-            from .patterns import causal as causal_pattern
-
-            out = out & causal_pattern(block=self.block_size).layout(sizes.seq_q, sizes.seq_k)
-        return out
+        return out if causal is None else out & causal
 
     def _check_values(self, n_k: int) -> None:
         idx = self._indices.numpy()

@@ -27,6 +27,7 @@ kept key is reused; the last `KEPT` plans are kept.
 
 from __future__ import annotations
 
+import copy
 import threading
 
 from . import backends, call, env, mods
@@ -111,8 +112,17 @@ def _signature(op: str, arrays, layout, causal, scale, backend, score_mod, backw
     # float32's precision (call.float32_precision) follows a framework's switch: the q's framework's.
     precision = call.float32_precision(type(arrays[q]).__module__.split(".")[0])
     switches = (env.hopper(), env.fused_backward(), env.deterministic(), precision)
-    key = (op, id(keyed), causal, scale, backend, id(mod), backward, backends.state(), switches, described)
+    # A dynamic layout on a GPU is a new object at every step: keyed by what its plan depends on.
+    by = (keyed.plan_key() if isinstance(keyed, DynamicLayout) else None) or id(keyed)
+    key = (op, by, causal, scale, backend, id(mod), backward, backends.state(), switches, described)
     return key, keyed, mod
+
+
+def _rebound(plan, layout):
+    """`plan` for this call's layout: a plan of a dynamic layout's signature over this call's arrays."""
+    if isinstance(layout, DynamicLayout) and plan.held[0] is not layout:
+        return plan.rebound(layout)
+    return plan
 
 
 def forward(q, k, v, layout=None, *, causal=False, scale=None, backend=None, score_mod=None, backward=False):
@@ -132,7 +142,7 @@ def forward(q, k, v, layout=None, *, causal=False, scale=None, backend=None, sco
     if key is None:
         _count()
         return make()
-    return kept(key, make)
+    return _rebound(kept(key, make), layout)
 
 
 def backward(dout, q, k, v, out, lse, layout=None, *, causal=False, scale=None, backend=None, score_mod=None):
@@ -151,7 +161,7 @@ def backward(dout, q, k, v, out, lse, layout=None, *, causal=False, scale=None, 
     if key is None:
         _count()
         return make()
-    return kept(key, make)
+    return _rebound(kept(key, make), layout)
 
 
 def _kind(holder) -> tuple:
@@ -195,6 +205,15 @@ class ForwardPlan:
         self._launch = _Launch.of(self._prepared and self._prepared.direct(), self.framework)
         self._backward = None
         self._backward_made = False
+        self._base = self  # the plan that makes the backward's (`rebound` shares it)
+
+    def rebound(self, layout: DynamicLayout) -> ForwardPlan:
+        """This plan over another dynamic layout of its signature (`DynamicLayout.plan_key`): its arrays in
+        place of those the plan was made with, the same static parts and preparation."""
+        view = copy.copy(self)
+        view.layout = _with_arrays(self.layout, layout)
+        view.held = (layout, self.score_mod)
+        return view
 
     def inputs(self, q, k, v) -> Inputs:
         """This plan's `Inputs` over arrays of its signature."""
@@ -214,18 +233,21 @@ class ForwardPlan:
         """The backward of this plan's calls, made at the first call (before its dout exists: the forward's
         out stands in for it), for ``out`` and ``lse`` as this forward makes them; None when no backend can
         run it (the backward then raises, with its own arguments)."""
-        if not self._backward_made:
-            inputs = self.inputs(q, k, v)
+        base = self._base
+        if not base._backward_made:
+            inputs = base.inputs(q, k, v)
             out, lse = wrap(out, "out"), wrap(lse, "lse")
             inputs.out, inputs.lse, inputs.dout = out, lse, out
             try:
-                chosen, _ = backends.choose(inputs, "backward", self.backend)
+                chosen, _ = backends.choose(inputs, "backward", base.backend)
             except ValueError:
                 chosen = None
-            self._backward = None if chosen is None else BackwardPlan(inputs, chosen, held=self.held)
-            self._backward_made = True
+            base._backward = None if chosen is None else BackwardPlan(inputs, chosen, held=base.held)
+            base._backward_made = True
             _count()
-        return self._backward
+        if base is self or base._backward is None:
+            return base._backward
+        return base._backward.rebound(self.held[0])
 
 
 class BackwardPlan:
@@ -245,6 +267,13 @@ class BackwardPlan:
         # The last dout asked about: (its signature, then its kind and `_Launch` or None; or None, refused).
         self._dout = None
         self._take(inputs.dout)
+
+    def rebound(self, layout: DynamicLayout) -> BackwardPlan:
+        """This plan over another dynamic layout of its signature (as `ForwardPlan.rebound`)."""
+        view = copy.copy(self)
+        view.layout = _with_arrays(self.layout, layout)
+        view.held = (layout, self.score_mod)
+        return view
 
     def _take(self, dout) -> tuple | None:
         """(kind, launch) of a dout holder for this plan (the backend's answer depends on dout's signature
@@ -303,3 +332,8 @@ class BackwardPlan:
 
 
 _SAVED = ("q", "k", "v", "out", "lse")
+
+
+def _with_arrays(fitted: DynamicLayout, layout: DynamicLayout) -> DynamicLayout:
+    """The plan's fitted layout (its static parts built for the call, causal in) over `layout`'s arrays."""
+    return fitted.with_arrays(layout.indices, layout.counts)

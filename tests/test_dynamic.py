@@ -266,8 +266,11 @@ def test_backends_say_why_the_kernels_cannot_take_it_and_the_reference_runs():
     q = np.zeros((1, 2, 64, 8), np.float32)
     lay = dynamic.block_indices(np.zeros((1, 1, 4, 1), np.int32), block=16)
     why = backends.why_not(q, q, q, lay)
-    assert any("do not take dynamic layouts" in r for r in why["cuda"])
     assert why["reference"] == []
+    per_token = dynamic.token_indices(np.zeros((1, 1, 64, 1), np.int32), block=16)
+    assert any("per query block" in r for r in backends.why_not(q, q, q, per_token)["cuda"])
+    both = lay & patterns.causal(block=16) | patterns.local(window=20, block=16)
+    assert any("both static parts" in r for r in backends.why_not(q, q, q, both)["cuda"])
     assert backends.runs_on(q, q, q, lay) == "reference (NumPy, on the host)"
 
 
