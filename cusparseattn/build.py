@@ -306,50 +306,11 @@ MASK_PARAMS = np.dtype(
 
 
 # kernels/dynamic_tables.cu's TablesParams.
-_TABLE_POINTERS = (
-    "within",
-    "plus",
-    "chosen",
-    "visited",
-    "partial",
-    "row_count",
-    "col_count",
-    "row_ptr",
-    "col_ptr",
-    "entries",
-    "col_entries",
-    "sub_bits",
-)
-_TABLE_SIZES = (
-    "sel_batch",
-    "sel_heads",
-    "sel_group",
-    "w_batch",
-    "w_heads",
-    "p_batch",
-    "p_heads",
-    "lines_batch",
-    "lines_heads",
-    "n_qb",
-    "n_kb",
-    "width",
-    "words",
-    "block_q",
-    "block_k",
-    "cell_q",
-    "cell_k",
-    "per_q",
-    "per_k",
-    "cell_rows",
-    "cell_cols",
-    "tiles_q",
-    "tiles_k",
-    "tile_words",
-    "tile_n",
-    "seq_k",
-    "capacity",
-    "step",
-)
+_TABLE_POINTERS = """within plus chosen visited partial row_count col_count row_ptr col_ptr entries
+    col_entries sub_bits work rank_ptr ranks col_pos item_start item_rank""".split()
+_TABLE_SIZES = """sel_batch sel_heads sel_group w_batch w_heads p_batch p_heads lines_batch lines_heads n_qb
+    n_kb width words block_q block_k cell_q cell_k per_q per_k cell_rows cell_cols tiles_q tiles_k tile_words
+    tile_n seq_k capacity batch heads_q group ctas rounds item_cost step""".split()
 TABLES_PARAMS = np.dtype(
     [("indices", np.uint64), ("counts", np.uint64)]
     + [(name, np.int64) for name in ("i_sb", "i_sh", "i_sr", "i_sk", "c_sb", "c_sh", "c_sr")]
@@ -366,7 +327,7 @@ class TablesSpec:
 
     kernel = "dynamic_tables"
     shared_bytes = 0
-    threads = 256
+    threads = 1024  # its largest CTA (its scan's)
     arch = None
     name = "dynamic_tables"
 

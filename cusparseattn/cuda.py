@@ -349,11 +349,8 @@ class Backward:
         # The fused pass writes dK and dV through TMA too: given ones it cannot write take the two passes.
         written = (("dk", arrays.get("dk")), ("dv", arrays.get("dv")))
         writable = not any(devices.tma_reasons(name, t) for name, t in written if t is not None)
-        # A dynamic layout takes the two passes: the fused one's schedule is host work on the tile plan.
         self.dynamic = isinstance(layout, DynamicLayout)
-        fused = (
-            self.hopper and writable and fused_backward(head_dim, self.device, q.dtype) and not self.dynamic
-        )
+        fused = self.hopper and writable and fused_backward(head_dim, self.device, q.dtype)
         made = {name: _Like(q.shape, q.dtype) for name in ("out", "dout", "dq")}
         made |= {name: _Like(k.shape, k.dtype) for name in ("dk", "dv")}
         made |= {"lse": _Like(q.shape[:3], "float32"), "stats": _Like(self.stats_shape, "float32")}
@@ -409,7 +406,11 @@ class Backward:
         the dQ sums too, and the fused pass adds its parts in as they come."""
         batch, heads_q, _, head_dim = q.shape
         unordered = not env.deterministic()
-        tables, tiles = _tiled_tables("backward_sm90", layout, head_dim, self.device, score)
+        tables, tiles = _tiled_tables(
+            "backward_sm90", layout, head_dim, self.device, score, sizes=_sizes(q, k)
+        )
+        if self.dynamic:
+            self._tables.append(tables)
         items = batch * k.shape[1] * tables.plan.tiles_k
         ctas = min(items, devices.sm_count(self.device))
         group_items = _FUSED_BACKWARD_GROUP * devices.sm_count(self.device)

@@ -21,8 +21,8 @@ from .gpu_tables import set_rule
 from .launches import launch_kernel
 from .recent import Recent
 
-_STEPS = 5  # kernels/dynamic_tables.cu's steps
-_THREADS = build.TablesSpec.threads
+_THREADS, _SCAN_THREADS = 256, build.TablesSpec.threads  # a step's CTA: most steps', the scan's
+_WARPS = _THREADS // 32  # rows of a CTA in the steps that give each warp one
 
 
 def reasons(layout: DynamicLayout, framework: str) -> list[str]:
@@ -55,6 +55,11 @@ class _Geometry:
     tiles_k: int
     rule_mode: str
     row_ptr: np.ndarray
+
+
+def _ptr(counts: np.ndarray) -> np.ndarray:
+    """A row_ptr of these counts: where each starts, then the end."""
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
 
 
 def _state(layout) -> np.ndarray:
@@ -95,8 +100,7 @@ class DynamicTables:
         self.capacity = lines * tiles_q * min(tiles_k, chosen_tiles + int(plus_visits.max()))
 
         rule = next((p.rule for p in parts if p.partial.any()), None)
-        row_ptr = np.concatenate([[0], np.cumsum(expected)]).astype(np.int32)
-        self.plan = _Geometry(tile_m, tile_n, tiles_q, tiles_k, "expr" if rule else "none", row_ptr)
+        self.plan = _Geometry(tile_m, tile_n, tiles_q, tiles_k, "expr" if rule else "none", _ptr(expected))
         self.rule_expr = rule.c_expr if rule else None
         self.layout_lines = (lines_batch, lines_heads)
         self.parts = (within, plus)  # held, so that the ids in its key stay theirs
@@ -136,19 +140,17 @@ class DynamicTables:
         )  # fmt: skip
         for name, value in values.items():
             t[name] = value
-        self._grids = (
-            (n_qb, layout.batch * layout.heads, 1),
-            (tiles_q, lines, 1),
-            (2, 1, 1),
-            (-(-tiles_q // (_THREADS // 32)), lines, 1),
-            (-(-tiles_k // (_THREADS // 32)), lines, 1),
-        )
-        self._steps = []
-        for step in range(_STEPS):
-            t["step"] = step
-            self._steps.append(t.tobytes())
+        words_ctas = -(-tiles_q * tile_words // _WARPS)  # a warp to each word of each row
+        self._launches = [  # (grid, threads) of each step
+            ((-(-n_qb // _WARPS), layout.batch * layout.heads, 1), _THREADS),
+            ((words_ctas, lines, 1), _THREADS),
+            ((2, 1, 1), _SCAN_THREADS),
+            ((words_ctas + -(-tiles_k // _WARPS), lines, 1), _THREADS),
+        ]
+        self._t, self._sizes = t, sizes
+        self._expected_rows = expected[:tiles_q]  # line 0's, for the fused backward's deal
+        self._pack()
         self._function = build.load(build.TablesSpec(), device)
-        self._arguments: dict[tuple, list] = {}
 
         # The passes' parameters that the tables set, as gpu_tables.DeviceTables makes them.
         base = np.zeros((), build.PARAMS)
@@ -177,6 +179,76 @@ class DynamicTables:
             self._work[key] = {field: cupy.asarray(a) for field, a in arrays.items()}
         return self._work[key]
 
+    def columns(self, batch: int, heads: int, group: int, ctas: int, group_items: int) -> dict:
+        """The fused backward's schedule (as `DeviceTables.columns`): a deal of its items made from their
+        expected visits at plan time, each walk from its column's first entry, and the ranks of the visits,
+        which `refresh` makes on the GPU from each call's tables."""
+        import cupy
+
+        key = ("columns", batch, heads, group, ctas, group_items)
+        if key in self._work:
+            return self._work[key]
+        if self._work and any(k[0] == "columns" for k in self._work):
+            raise ValueError("a dynamic layout's tables take one fused backward's schedule")
+        p = self.plan
+        heads_kv = heads // group
+        costs = np.broadcast_to(group * self._expected_columns(), (batch, heads_kv, p.tiles_k)).reshape(-1)
+        items = _Geometry(p.tile_n, p.tile_m, p.tiles_k, p.tiles_q, p.rule_mode, _ptr(np.ceil(costs)))
+        deal = schedule.work_order(items, batch, heads_kv, batch, heads_kv, ctas, group_items)
+        calls = batch * heads // (self.layout_lines[0] * self.layout_lines[1])
+        made = {
+            "work": cupy.asarray(deal.table),
+            "col_start": cupy.zeros(batch * heads * p.tiles_k, cupy.int32),
+            "rank_ptr": cupy.zeros(batch * heads * p.tiles_k + 1, cupy.int64),
+            "ranks": cupy.zeros(calls * self.capacity, cupy.int32),
+        }
+        scratch = {
+            "col_pos": cupy.zeros(self.capacity, cupy.int32),
+            "item_start": cupy.zeros(batch * heads_kv * p.tiles_k, cupy.int32),
+            "item_rank": cupy.zeros(batch * heads_kv * p.tiles_k, cupy.int32),
+        }
+        self.arrays |= scratch
+        t = self._t
+        for name, array in {**made, **scratch}.items():
+            if name != "col_start":
+                t[name] = array.data.ptr
+        t["batch"], t["heads_q"], t["group"], t["ctas"] = batch, heads, group, ctas
+        t["rounds"], t["item_cost"] = deal.table.size // ctas, schedule.ITEM_COST
+        grid, threads = self._launches[2]
+        self._launches[2] = ((3 + -(-ctas // _SCAN_THREADS), 1, 1), threads)
+        self._launches.append(((-(-p.tiles_q // _WARPS), batch * heads, 1), _THREADS))
+        self._pack()
+        self._work[key] = made
+        return made
+
+    def _expected_columns(self) -> np.ndarray:
+        """The visits each key tile's column is expected to take: each row's expected visits spread evenly
+        over the key tiles its static parts let it visit (line 0's)."""
+        p, (within, plus) = self.plan, self.parts
+        rows = self._expected_rows.astype(float)
+        if plus is not None:
+            built = plan.build(plus, p.tile_m, p.tile_n)
+            plus_columns = np.diff(built.col_ptr)[: p.tiles_k]
+            rows = rows - np.diff(built.row_ptr)[: p.tiles_q]
+        else:
+            plus_columns = 0
+        if within is None:
+            return rows.sum() / p.tiles_k + plus_columns
+        built = plan.build(within, p.tile_m, p.tile_n)
+        counts = np.diff(built.row_ptr)[: p.tiles_q]
+        row_of = np.repeat(np.arange(p.tiles_q), counts)
+        share = np.where(counts > 0, rows / np.maximum(counts, 1), 0)[row_of]
+        tiles = built.entries[: row_of.size, 0]
+        return np.bincount(tiles, weights=share, minlength=p.tiles_k) + plus_columns
+
+    def _pack(self) -> None:
+        """The parameters of each step, from the struct as it is now."""
+        t, self._steps = self._t, []
+        for step in range(len(self._launches)):
+            t["step"] = step
+            self._steps.append(t.tobytes())
+        self._arguments: dict[tuple, list] = {}
+
     def refresh(self, stream: int, layout: DynamicLayout) -> None:
         """Fills the tables from `layout`'s index arrays (of this signature) on `stream`, a raw handle."""
         holders = layout.holders()
@@ -187,9 +259,8 @@ class DynamicTables:
             if len(self._arguments) >= 16:
                 self._arguments.clear()
             self._arguments[key] = arguments
-        block = (_THREADS, 1, 1)
-        for grid, (table, _) in zip(self._grids, arguments, strict=True):
-            launch_kernel(self._function.kernel.ptr, grid, block, 0, stream, table)
+        for (grid, threads), (table, _) in zip(self._launches, arguments, strict=True):
+            launch_kernel(self._function.kernel.ptr, grid, (threads, 1, 1), 0, stream, table)
 
     def _arguments_for(self, holders) -> list:
         indices, counts = holders[0], holders[1] if len(holders) > 1 else None

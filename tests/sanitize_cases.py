@@ -2,11 +2,15 @@
 not by pytest).
 
 Each case covers one path of the kernel: full tiles, C-expression masks, bit masks, empty rows and key tiles,
-ragged lengths, GQA, [B, S, H, D] strides, head dims that are padded (40) or kept in shared memory (256), and
-persistent kernels' CTAs that take many work items in turn.
+ragged lengths, GQA, [B, S, H, D] strides, head dims that are padded (40) or kept in shared memory (256),
+persistent kernels' CTAs that take many work items in turn, and dynamic layouts' tables built on the GPU.
+Arguments: run only the cases whose names hold one of them (``python3 tests/sanitize_cases.py dynamic``).
 """
 
 from __future__ import annotations
+
+import functools
+import sys
 
 import numpy as np
 import torch
@@ -46,17 +50,45 @@ CASES = [
     ("causal fp32 high d64 ragged", torch.float32, 64, 2, 333, patterns.causal(block=64)),
     ("random bits fp32 highest d128", torch.float32, 128, 1, 200, None),
     ("local fp32 highest d40 bshd", torch.float32, 40, 2, 300, patterns.local(window=70, block=16)),
+    # Dynamic layouts: tables built on the GPU from indices with padding, repeats, out-of-range entries and
+    # counts; causal inside the chosen blocks, and with first blocks always on.
+    ("dynamic bf16 d128 causal", torch.bfloat16, 128, 2, 700, "dynamic"),
+    ("dynamic fp16 d64 sinks", torch.float16, 64, 1, 500, "dynamic sinks"),
 ]
 
 
-def main() -> None:
+def dynamic_layout(seq: int, sinks: bool):
+    block, rng = 64, np.random.default_rng(1)
+    n = -(-seq // block)
+    idx = rng.integers(-1, n, (2, 4, n, 5))
+    idx[rng.random(idx.shape) < 0.2] = n + 3
+    idx[rng.random(idx.shape) < 0.1] = -7
+    counts = rng.integers(0, 6, idx.shape[:3])
+    as_cuda = functools.partial(torch.tensor, device="cuda", dtype=torch.int32)
+    layout = ca.dynamic.block_indices(as_cuda(idx), as_cuda(counts), block=block) & patterns.causal(
+        block=block
+    )
+    if not sinks:
+        return layout
+    first = np.zeros((1, 1, n, n), bool)
+    first[..., 0] = True
+    return layout | BlockLayout(first, block_size=block, seq_q=seq)
+
+
+def main(names: list[str]) -> None:
+    """Runs the cases whose names hold one of `names` (every case without)."""
     for name, dtype, dim, group, seq, pattern in CASES:
+        if names and not any(n in name for n in names):
+            continue
         # Two SMs' worth of persistent CTAs (three to split rows): each walks many work items, reusing its
         # buffers and barriers.
         devices.sm_count = lambda device, sms=(3 if "split" in name else 2): sms
         cuda._wide_pays = lambda *args, wide="wide" in name: wide
         torch.set_float32_matmul_precision("highest" if "highest" in name else "high")
-        layout = random_layout(seq) if pattern is None else pattern.layout(seq)
+        if isinstance(pattern, str):
+            layout = dynamic_layout(seq, "sinks" in pattern)
+        else:
+            layout = random_layout(seq) if pattern is None else pattern.layout(seq)
         q = torch.randn(2, seq, 4, dim, device="cuda", dtype=dtype).transpose(1, 2)
         k, v = (torch.randn(2, 4 // group, seq, dim, device="cuda", dtype=dtype) for _ in "kv")
         out, lse = ca.attention_forward(q, k, v, layout)
@@ -68,4 +100,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
