@@ -5,11 +5,15 @@ with mutations. A sequence starts with ``period`` random tokens; every later tok
 back, or, with probability ``mutation``, is drawn afresh, so copies drift and the most recent period is the
 best guide. A causal sliding window longer than the period holds all the context that pays, so the
 block-sparse model (``cusparseattn.attention`` with ``patterns.local``) should learn as well as the dense one
-(``F.scaled_dot_product_attention(is_causal=True)``). Both runs start from the same weights and see the same
-batches. The first period of each sequence and the mutations are unpredictable: the loss has a floor, printed.
+(``F.scaled_dot_product_attention(is_causal=True)``). With ``--attention moba`` the sparse model's layout is
+chosen from the data at every step instead, as MoBA does: each query block attends its own block and the
+``topk`` earlier blocks whose mean key scores best against it (``cusparseattn.selectors.moba``, a dynamic
+layout, causal inside the blocks). Both runs start from the same weights and see the same batches. The first
+period of each sequence and the mutations are unpredictable: the loss has a floor, printed.
 
     python examples/train_tiny.py                          # GPU: bf16 autocast, the CUDA kernels
     python examples/train_tiny.py --device cpu             # a tiny model, the NumPy reference, float32
+    python examples/train_tiny.py --attention moba         # the layout chosen at every step (MoBA's gate)
     python examples/train_tiny.py --steps 400 --out runs/  # also writes runs/train_tiny.json and .png
 """
 
@@ -27,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cusparseattn
-from cusparseattn import patterns
+from cusparseattn import dynamic, patterns, selectors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +46,7 @@ class Config:
     layers: int
     window: int  # keys each query sees, itself included (the sparse run's causal sliding window)
     block: int  # the layout's block size
+    topk: int  # --attention moba: earlier blocks each query block attends beside its own
     period: int  # tokens repeat with this period...
     mutation: float  # ...except for this fraction, drawn afresh
     steps: int
@@ -60,6 +65,7 @@ GPU = Config(
     layers=2,
     window=128,
     block=64,
+    topk=2,
     period=48,
     mutation=0.1,
     steps=300,
@@ -76,6 +82,7 @@ CPU = Config(
     layers=2,
     window=16,
     block=16,
+    topk=1,
     period=8,
     mutation=0.1,
     steps=40,
@@ -114,13 +121,24 @@ def loss_floor(cfg: Config) -> float:
 
 
 def attention_fn(kind: str, cfg: Config, device: str):
-    """``f(q, k, v) -> out`` on ``[B, H, S, Dh]``: "sparse" (cusparseattn, a causal window) or "dense"."""
+    """``f(q, k, v) -> out`` on ``[B, H, S, Dh]``: "local" (cusparseattn, a causal window), "moba"
+    (cusparseattn, the blocks MoBA's gate picks from q and k at each call) or "dense"."""
     if kind == "dense":
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    pattern = patterns.local(window=cfg.window, block=cfg.block)
     # Forcing the backend makes a GPU run fail loudly rather than fall back to the host reference.
     backend = "cuda" if device.startswith("cuda") else "reference"
-    return lambda q, k, v: cusparseattn.attention(q, k, v, pattern, backend=backend)
+    if kind == "local":
+        pattern = patterns.local(window=cfg.window, block=cfg.block)
+        return lambda q, k, v: cusparseattn.attention(q, k, v, pattern, backend=backend)
+    causal = patterns.causal(block=cfg.block)  # made once: a new Pattern each step would be a new plan
+
+    def moba(q, k, v):
+        # The gate is a top-k: no gradient flows through the choice, only through the attention on it.
+        chosen = selectors.moba(q, k, block=cfg.block, topk=cfg.topk)
+        layout = dynamic.block_indices(chosen, block=cfg.block) & causal
+        return cusparseattn.attention(q, k, v, layout, backend=backend)
+
+    return moba
 
 
 class Block(nn.Module):
@@ -252,6 +270,9 @@ def main(argv=None) -> dict:
     )
     parser.add_argument("--steps", type=int, help="training steps (default: 300 on GPU, 40 on CPU)")
     parser.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
+    parser.add_argument(
+        "--attention", choices=["local", "moba"], default="local", help="the sparse run's attention"
+    )
     parser.add_argument("--window", type=int, help="the sparse run's window (default: 128 on GPU, 16 on CPU)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="directory for train_tiny.json and train_tiny.png")
@@ -260,24 +281,26 @@ def main(argv=None) -> dict:
     cfg = GPU if device == "cuda" else CPU
     overrides = {"steps": args.steps, "window": args.window, "seed": args.seed}
     cfg = dataclasses.replace(cfg, **{k: v for k, v in overrides.items() if v is not None})
-    if cfg.window <= cfg.period:
+    if args.attention == "local" and cfg.window <= cfg.period:
         print(f"note: the window ({cfg.window}) does not reach one period ({cfg.period}) back")
 
-    density = patterns.local(window=cfg.window, block=cfg.block).layout(cfg.seq).density
     floor = loss_floor(cfg)
-    labels = {
-        "sparse": f"cusparseattn local({cfg.window}), block {cfg.block}, density {density:.3f}",
-        "dense": "SDPA, dense causal",
-    }
+    if args.attention == "local":
+        density = patterns.local(window=cfg.window, block=cfg.block).layout(cfg.seq).density
+        sparse = f"cusparseattn local({cfg.window}), block {cfg.block}, density {density:.3f}"
+    else:
+        sparse = f"cusparseattn MoBA: own block + top {cfg.topk} of blocks of {cfg.block}, chosen each step"
+    labels = {"sparse": sparse, "dense": "SDPA, dense causal"}
     print(
         f"device {device}; {cfg.layers} layers, d_model {cfg.d_model}, {cfg.heads} heads of "
         f"{cfg.d_model // cfg.heads}; batch {cfg.batch} x {cfg.seq} tokens, vocabulary {cfg.vocab}, period "
         f"{cfg.period}, mutation {cfg.mutation}; loss floor {floor:.3f}"
     )
     result = {"config": dataclasses.asdict(cfg), "device": device, "floor": floor, "labels": labels}
+    result["attention"] = args.attention
     for kind in ("sparse", "dense"):
         start = time.perf_counter()
-        result[kind] = train(cfg, kind, device)
+        result[kind] = train(cfg, args.attention if kind == "sparse" else kind, device)
         result[f"{kind}_seconds"] = time.perf_counter() - start
         print(f"{kind:6}: {labels[kind]}; {result[f'{kind}_seconds']:.1f} s")
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cusparseattn as ca
-from cusparseattn import backends, dynamic, patterns, reference
+from cusparseattn import backends, dynamic, patterns, reference, selectors
 
 
 @dataclass
@@ -285,6 +285,25 @@ def test_torch_gradients_through_a_dynamic_layout_match_dense_autograd():
         (dynamic.token_indices(idx.numpy(), block=32) & patterns.causal(block=32)).to_dense(80, 80, 4, 2)
         | (patterns.local(window=16, block=32) & patterns.causal(block=32)).layout(80).to_dense()
     )
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    qd, kd, vd = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    want = _dense_torch(qd, kd, vd, mask)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    for got, ref in zip(grads, torch.autograd.grad(want, (qd, kd, vd), dout), strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-10, rtol=0)
+
+
+def test_gradients_through_the_layout_that_moba_chooses_match_dense_autograd():
+    # As a training step takes it: the gate picks the blocks from q and k (no gradient through the choice),
+    # the attention on them is differentiated.
+    rng = np.random.default_rng(4)
+    q, k, v = (torch.tensor(rng.standard_normal((2, 2, 100, 8)), requires_grad=True) for _ in range(3))
+    idx = selectors.moba(q, k, block=16, topk=2)
+    lay = dynamic.block_indices(idx, block=16) & patterns.causal(block=16)
+    out = ca.attention(q, k, v, lay)
+    mask = torch.from_numpy(lay.to_dense(100, 100))
+    assert mask.any(dim=-1).all() and not mask.all()  # every query sees its own block, none sees all
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     qd, kd, vd = (x.detach().clone().requires_grad_() for x in (q, k, v))

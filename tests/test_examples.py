@@ -55,6 +55,14 @@ def test_train_tiny_learns_on_cpu(train_tiny, tmp_path, capsys):
         assert {train_tiny.COLOURS["sparse"], train_tiny.COLOURS["dense"]} <= colours
 
 
+def test_train_tiny_learns_with_the_layout_moba_chooses_each_step(train_tiny):
+    result = train_tiny.main(["--device", "cpu", "--steps", "30", "--attention", "moba"])
+    losses = result["sparse"]
+    assert result["attention"] == "moba" and "MoBA" in result["labels"]["sparse"]
+    assert len(losses) == 30 and all(math.isfinite(x) for x in losses), losses
+    assert sum(losses[-4:]) / 4 < 0.7 * losses[0], losses
+
+
 def test_train_tiny_full_window_matches_dense(train_tiny):
     # A window as long as the sequence is plain causal attention: the two runs must coincide step by step.
     result = train_tiny.main(["--device", "cpu", "--steps", "6", "--window", "64"])
