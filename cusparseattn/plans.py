@@ -6,9 +6,11 @@ A signature is everything those steps read: each array's shape, strides, dtype, 
 asked for, the backends enabled here (`cusparseattn.backends.state`) and the switches that choose kernels.
 A mask function or a score function is first resolved to the Pattern or ScoreMod that its captured values
 give (`cusparseattn.captures.EnvironmentCache`: the same function with unchanged captures, the same object),
-so those are keyed too. Every path looks its plan up here: eager PyTorch (`cusparseattn.torch`), its
-``torch.compile`` operators, CuPy and NumPy arrays (`cusparseattn.api`), JAX's XLA calls
-(`cusparseattn.jax`) and ring attention's steps. A miss is the only place that validates, chooses a
+so those are keyed too. A dynamic layout on a GPU, a new object at every step, is keyed by what its plan
+depends on (`DynamicLayout.plan_key`: its static parts by identity, its arrays' signatures), and a plan found
+so runs over the call's arrays (`ForwardPlan.rebound`). Every path looks its plan up here: eager PyTorch
+(`cusparseattn.torch`), its ``torch.compile`` operators, CuPy and NumPy arrays (`cusparseattn.api`), JAX's
+XLA calls (`cusparseattn.jax`) and ring attention's steps. A miss is the only place that validates, chooses a
 backend, builds tables or schedules; `builds` counts them.
 
 A plan holds what its key names by identity (the layout or pattern argument, the score mod), so no id in a
