@@ -147,7 +147,7 @@ class DynamicTables:
             ((2, 1, 1), _SCAN_THREADS),
             ((words_ctas + -(-tiles_k // _WARPS), lines, 1), _THREADS),
         ]
-        self._t, self._sizes = t, sizes
+        self._t = t
         self._expected_rows = expected[:tiles_q]  # line 0's, for the fused backward's deal
         self._pack()
         self._function = build.load(build.TablesSpec(), device)
@@ -166,6 +166,7 @@ class DynamicTables:
         self.params = base.tobytes()
         self.passes: dict[tuple, object] = {}
         self._work: dict[tuple, dict] = {}
+        self._columns: tuple | None = None  # (its key, its arrays): one fused backward's schedule
 
     def work(self, batch: int, heads: int, ctas: int, group_items: int, max_parts: int = 0) -> dict:
         """The persistent forward's deal (as `DeviceTables.work`), made from the rows' expected visits at
@@ -185,11 +186,11 @@ class DynamicTables:
         which `refresh` makes on the GPU from each call's tables."""
         import cupy
 
-        key = ("columns", batch, heads, group, ctas, group_items)
-        if key in self._work:
-            return self._work[key]
-        if self._work and any(k[0] == "columns" for k in self._work):
-            raise ValueError("a dynamic layout's tables take one fused backward's schedule")
+        key = (batch, heads, group, ctas, group_items)
+        if self._columns is not None:
+            if self._columns[0] != key:
+                raise ValueError("a dynamic layout's tables take one fused backward's schedule")
+            return self._columns[1]
         p = self.plan
         heads_kv = heads // group
         costs = np.broadcast_to(group * self._expected_columns(), (batch, heads_kv, p.tiles_k)).reshape(-1)
@@ -218,7 +219,7 @@ class DynamicTables:
         self._launches[2] = ((3 + -(-ctas // _SCAN_THREADS), 1, 1), threads)
         self._launches.append(((-(-p.tiles_q // _WARPS), batch * heads, 1), _THREADS))
         self._pack()
-        self._work[key] = made
+        self._columns = (key, made)
         return made
 
     def _expected_columns(self) -> np.ndarray:

@@ -274,6 +274,17 @@ def test_backends_say_why_the_kernels_cannot_take_it_and_the_reference_runs():
     assert backends.runs_on(q, q, q, lay) == "reference (NumPy, on the host)"
 
 
+def _assert_matches_dense_autograd(q, k, v, out, mask):
+    """`out` (float64, of q, k, v) and its gradients equal masked dense attention's under torch autograd."""
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    qd, kd, vd = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    want = _dense_torch(qd, kd, vd, mask)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
+    for got, ref in zip(grads, torch.autograd.grad(want, (qd, kd, vd), dout), strict=True):
+        torch.testing.assert_close(got, ref, atol=1e-10, rtol=0)
+
+
 def test_torch_gradients_through_a_dynamic_layout_match_dense_autograd():
     rng = np.random.default_rng(3)
     q = torch.tensor(rng.standard_normal((1, 4, 80, 8)), requires_grad=True)
@@ -285,13 +296,7 @@ def test_torch_gradients_through_a_dynamic_layout_match_dense_autograd():
         (dynamic.token_indices(idx.numpy(), block=32) & patterns.causal(block=32)).to_dense(80, 80, 4, 2)
         | (patterns.local(window=16, block=32) & patterns.causal(block=32)).layout(80).to_dense()
     )
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    qd, kd, vd = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    want = _dense_torch(qd, kd, vd, mask)
-    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
-    for got, ref in zip(grads, torch.autograd.grad(want, (qd, kd, vd), dout), strict=True):
-        torch.testing.assert_close(got, ref, atol=1e-10, rtol=0)
+    _assert_matches_dense_autograd(q, k, v, out, mask)
 
 
 def test_gradients_through_the_layout_that_moba_chooses_match_dense_autograd():
@@ -304,13 +309,7 @@ def test_gradients_through_the_layout_that_moba_chooses_match_dense_autograd():
     out = ca.attention(q, k, v, lay)
     mask = torch.from_numpy(lay.to_dense(100, 100))
     assert mask.any(dim=-1).all() and not mask.all()  # every query sees its own block, none sees all
-    dout = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), dout)
-    qd, kd, vd = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    want = _dense_torch(qd, kd, vd, mask)
-    torch.testing.assert_close(out, want, atol=1e-12, rtol=0)
-    for got, ref in zip(grads, torch.autograd.grad(want, (qd, kd, vd), dout), strict=True):
-        torch.testing.assert_close(got, ref, atol=1e-10, rtol=0)
+    _assert_matches_dense_autograd(q, k, v, out, mask)
 
 
 def test_jax_gradients_through_a_dynamic_layout(jax_on_cpu, x64):
