@@ -209,7 +209,7 @@ class CupyTensor(Tensor):
         import cupy
 
         with self.native.device:
-            return CupyTensor(cupy.empty(shape, DTYPES[dtype]), self.name)
+            return CupyTensor(cupy.empty(shape, DTYPES.get(dtype, np.dtype(dtype))), self.name)
 
     def from_numpy(self, arr):
         import cupy

@@ -252,7 +252,7 @@ class CudaBackend(Backend):
         if isinstance(inputs.layout, DynamicLayout):
             from . import dynamic_tables
 
-            reasons += dynamic_tables.reasons(inputs.layout, inputs.framework)
+            reasons += dynamic_tables.reasons(inputs.layout)
         if not inputs.on_gpu:
             reasons.append(f"the inputs are on {device_name(inputs.device)}, not on a CUDA device")
         reasons += devices.available()

@@ -306,11 +306,11 @@ MASK_PARAMS = np.dtype(
 
 
 # kernels/dynamic_tables.cu's TablesParams.
-_TABLE_POINTERS = """within plus chosen visited partial row_count col_count row_ptr col_ptr entries
-    col_entries sub_bits work rank_ptr ranks col_pos item_start item_rank""".split()
+_TABLE_POINTERS = """within plus chosen visited partial visited_t row_count col_count row_ptr col_ptr entries
+    col_entries sub_bits work order rank_ptr ranks col_pos item_start item_rank""".split()
 _TABLE_SIZES = """sel_batch sel_heads sel_group w_batch w_heads p_batch p_heads lines_batch lines_heads n_qb
     n_kb width words block_q block_k cell_q cell_k per_q per_k cell_rows cell_cols tiles_q tiles_k tile_words
-    tile_n seq_k capacity batch heads_q group ctas rounds item_cost step""".split()
+    q_words tile_n seq_k capacity batch heads_q group ctas rounds item_cost items step""".split()
 TABLES_PARAMS = np.dtype(
     [("indices", np.uint64), ("counts", np.uint64)]
     + [(name, np.int64) for name in ("i_sb", "i_sh", "i_sr", "i_sk", "c_sb", "c_sh", "c_sr")]
@@ -336,6 +336,40 @@ class TablesSpec:
         return _inline(self.kernel + ".cu") + "\n" + size + "\n"
 
 
+# kernels/moba_select.cu's SelectParams.
+_SELECT_SIZES = "batch heads_q heads_kv seq_q seq_k head_dim block rows n_k topk width causal step".split()
+SELECT_PARAMS = np.dtype(
+    [(name, np.uint64) for name in ("q", "k")]
+    + [(name, np.int64) for name in ("q_sb", "q_sh", "q_ss", "q_sd", "k_sb", "k_sh", "k_ss", "k_sd")]
+    + [(name, np.uint64) for name in ("k_pool", "q_pool", "out")]
+    + [(name, np.int32) for name in _SELECT_SIZES],
+    align=True,
+)
+_C_ELEMENTS = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+
+
+@dataclass(frozen=True)
+class SelectSpec:
+    """MoBA's gate for inputs of one dtype (kernels/moba_select.cu), loading `vec` elements at once while it
+    pools (16 bytes' worth where the rows are aligned to it, else 1)."""
+
+    dtype: str
+    vec: int
+    kernel = "moba_select"
+    shared_bytes = 96 * 1024  # its scores' most: a warp's row of key blocks in float32, four warps a CTA
+    threads = 256
+    arch = None
+
+    @property
+    def name(self) -> str:
+        return f"moba_select_{self.dtype}_v{self.vec}"
+
+    def source(self) -> str:
+        size = f'static_assert(sizeof(SelectParams) == {SELECT_PARAMS.itemsize}, "SelectParams\' mirror");'
+        defines = [f"#define CSA_SELECT_T {_C_ELEMENTS[self.dtype]}", f"#define VEC {self.vec}"]
+        return "\n".join(defines) + "\n" + _inline(self.kernel + ".cu") + "\n" + size + "\n"
+
+
 _INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
 
 
@@ -358,7 +392,7 @@ def nvrtc_options(arch: str | None = None) -> tuple[str, ...]:
 
 
 @functools.cache
-def load(spec: KernelSpec | RuleSpec | TablesSpec, device: int):
+def load(spec: KernelSpec | RuleSpec | TablesSpec | SelectSpec, device: int):
     """The compiled kernel of `spec` for one device (compiled once per process; CuPy caches it on disk)."""
     import cupy
 

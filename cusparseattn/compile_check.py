@@ -12,14 +12,14 @@ import functools
 import re
 
 from . import build, tuning
-from .build import HALF_DTYPES, KernelSpec, RuleSpec, TablesSpec
+from .build import HALF_DTYPES, KernelSpec, RuleSpec, SelectSpec, TablesSpec
 
 
 def all_specs() -> list[KernelSpec | RuleSpec]:
     """The specialisations the CI compile check builds: every pass, head dim and mask kind in bfloat16,
     float16 without a mask, the smaller tiles that devices with less shared memory take, a score mod, the
     same in float32 at both precisions for the passes that take it (`float32_specs`), the block
-    classification of a rule and the builder of dynamic layouts' tables."""
+    classification of a rule, the builder of dynamic layouts' tables and MoBA's gate."""
     rules = [("none", None), ("bits", None), ("expr", "k <= q + P0")]
     specs = []
     for kernel, table in tuning.TILES.items():
@@ -55,7 +55,8 @@ def all_specs() -> list[KernelSpec | RuleSpec]:
     ]
     specs += float32_specs(rules)
     rule_specs = [RuleSpec("csa::floormod(k, P0) == 0 && A0[q] == A0[k]"), RuleSpec(TRACED_RULE)]
-    return [*specs, *rule_specs, TablesSpec()]
+    selectors = [SelectSpec(dtype, 16 // build.DTYPES[dtype]) for dtype in build.DTYPES]
+    return [*specs, *rule_specs, TablesSpec(), *selectors, SelectSpec("bfloat16", 1)]
 
 
 def float32_specs(rules) -> list[KernelSpec]:

@@ -237,23 +237,25 @@ class Forward:
         addresses = (q.data_ptr, k.data_ptr, v.data_ptr, out.data_ptr, lse.data_ptr)
         if self.scratch is not None:
             addresses += (scratch(q, self.scratch, self.device).data_ptr,)
-        launches = self.launches
-        if self.dynamic is not None:
-            launches = [_Refresh(self.dynamic, layout), *launches]
-        run_launches(self.device, launches, q.stream, addresses)
+        run_launches(self.device, self._launches(layout), q.stream, addresses)
+
+    def _launches(self, layout) -> list:
+        if self.dynamic is None:
+            return self.launches
+        return [_Refresh(self.dynamic, layout), *self.launches]
 
     def launch(self, stream: int, addresses: tuple) -> None:
         """Launches on `stream` (a raw handle) over arrays at these addresses: q, k, v, then those of
         `made`."""
         run_launches(self.device, self.launches, stream, addresses)
 
-    def run_at(self, stream: int, addresses: tuple) -> None:
+    def run_at(self, stream: int, addresses: tuple, layout=None) -> None:
         """Writes out and lse on `stream` (a raw handle) over arrays at these addresses: q, k, v, out, lse,
         for a caller that lends its buffers and no allocator (XLA): a split deal's scratch comes from
-        CuPy's pool."""
+        CuPy's pool. `layout` as `run`'s."""
         if self.scratch is not None:
             addresses += (pool_scratch(stream, self.scratch, self.device).data.ptr,)
-        self.launch(stream, addresses)
+        run_launches(self.device, self._launches(layout), stream, addresses)
 
 
 # The backward's statistics scratch pads the query rows to whole tiles of every pass (the Hopper dK/dV pass
@@ -457,8 +459,13 @@ class Backward:
         """Writes `dq`, `dk`, `dv` and the scratch `stats` on dout's stream; `layout`: the call's, where the
         passes were made for a dynamic one's signature."""
         addresses = tuple(a.data_ptr for a in (q, k, v, out, lse, dout, dq, dk, dv, stats))
+        self.run_at(dout.stream, addresses, dout, layout)
+
+    def run_at(self, stream: int, addresses: tuple, dout, layout=None) -> None:
+        """`run` on `stream` (a raw handle) over arrays at these addresses, in `launcher`'s order, for douts
+        described as `dout` (which it accepts)."""
         launches = [*(_Refresh(t, layout) for t in self._tables), *self.passes(dout)]
-        run_launches(self.device, launches, dout.stream, addresses)
+        run_launches(self.device, launches, stream, addresses)
 
 
 def classify_blocks(

@@ -217,6 +217,13 @@ class DynamicLayout:
             return None
         return (self.per, self.block_size, id(self.within), id(self.plus), described)
 
+    def signature(self) -> tuple:
+        """What its passes depend on but the index values: ``per``, the block size, the static parts by
+        identity, the index arrays' shapes and dtypes (the key of an XLA call, whose index buffers come with
+        each call)."""
+        holders = tuple((h.shape, h.dtype) for h in self.holders())
+        return (self.per, self.block_size, id(self.within), id(self.plus), holders)
+
     @property
     def traced(self) -> bool:
         """Whether its arrays are traced inside ``jax.jit`` (no values yet)."""

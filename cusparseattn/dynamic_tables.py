@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import build, plan, schedule
+from . import build, devices, plan, schedule
 from .dynamic import DynamicLayout
 from .gpu_tables import set_rule
 from .launches import launch_kernel
@@ -23,15 +23,15 @@ from .recent import Recent
 
 _THREADS, _SCAN_THREADS = 256, build.TablesSpec.threads  # a step's CTA: most steps', the scan's
 _WARPS = _THREADS // 32  # rows of a CTA in the steps that give each warp one
+_DEAL_CTAS = 192  # the most CTAs the deal on the GPU takes (kernels/dynamic_tables.cu: DEAL_CTAS)
+_RESIDENT = 8  # CTAs of _THREADS an SM holds at once
 
 
-def reasons(layout: DynamicLayout, framework: str) -> list[str]:
+def reasons(layout: DynamicLayout) -> list[str]:
     """Why the kernels cannot run this (fitted) dynamic layout; empty when they can."""
     out = []
     if layout.per != "block":
         out.append("the kernels take dynamic layouts per query block (block_indices), not per token yet")
-    if framework == "jax":
-        out.append("JAX's XLA calls take the kernels on static layouts only, not yet a DynamicLayout")
     partial = [p for p in (layout.within, layout.plus) if p is not None and p.partial.any()]
     if len(partial) == 2:
         out.append(
@@ -105,11 +105,12 @@ class DynamicTables:
         self.layout_lines = (lines_batch, lines_heads)
         self.parts = (within, plus)  # held, so that the ids in its key stay theirs
 
-        tile_words, words = -(-tiles_k // 32), -(-n_kb // 32)
+        tile_words, q_words, words = -(-tiles_k // 32), -(-tiles_q // 32), -(-n_kb // 32)
         zeros = {
             "chosen": (layout.batch * layout.heads * n_qb * words, cupy.uint32),
             "visited": (lines * tiles_q * tile_words, cupy.uint32),
             "partial": (lines * tiles_q * tile_words, cupy.uint32),
+            "visited_t": (lines * tiles_k * q_words, cupy.uint32),
             "row_count": (lines * tiles_q, cupy.int32),
             "col_count": (lines * tiles_k, cupy.int32),
             "row_ptr": (lines * tiles_q + 1, cupy.int32),
@@ -135,18 +136,21 @@ class DynamicTables:
             lines_batch=lines_batch, lines_heads=lines_heads, n_qb=n_qb, n_kb=n_kb, width=layout.width,
             words=words, block_q=bq, block_k=bk, cell_q=cell_q, cell_k=cell_k, per_q=tile_m // cell_q,
             per_k=tile_n // cell_k, cell_rows=-(-seq_q // cell_q), cell_cols=-(-seq_k // cell_k),
-            tiles_q=tiles_q, tiles_k=tiles_k, tile_words=tile_words, tile_n=tile_n, seq_k=seq_k,
-            capacity=self.capacity,
+            tiles_q=tiles_q, tiles_k=tiles_k, tile_words=tile_words, q_words=q_words, tile_n=tile_n,
+            seq_k=seq_k, capacity=self.capacity,
         )  # fmt: skip
         for name, value in values.items():
             t[name] = value
-        words_ctas = -(-tiles_q * tile_words // _WARPS)  # a warp to each word of each row
+        # Steps 1 and 3 give a warp each row (step 3 each column too) in turn, from a grid the SMs hold.
+        self._resident = _RESIDENT * devices.sm_count(device)
+        rows = lines * tiles_q
         self._launches = [  # (grid, threads) of each step
             ((-(-n_qb // _WARPS), layout.batch * layout.heads, 1), _THREADS),
-            ((words_ctas, lines, 1), _THREADS),
+            (self._grid(rows), _THREADS),
             ((2, 1, 1), _SCAN_THREADS),
-            ((words_ctas + -(-tiles_k // _WARPS), lines, 1), _THREADS),
+            (self._grid(rows + lines * tiles_k), _THREADS),
         ]
+        self._step_items = rows + lines * tiles_k
         self._t = t
         self._expected_rows = expected[:tiles_q]  # line 0's, for the fused backward's deal
         self._pack()
@@ -181,9 +185,10 @@ class DynamicTables:
         return self._work[key]
 
     def columns(self, batch: int, heads: int, group: int, ctas: int, group_items: int) -> dict:
-        """The fused backward's schedule (as `DeviceTables.columns`): a deal of its items made from their
-        expected visits at plan time, each walk from its column's first entry, and the ranks of the visits,
-        which `refresh` makes on the GPU from each call's tables."""
+        """The fused backward's schedule (as `DeviceTables.columns`): its deal of items, each walk from its
+        column's first entry, and the ranks of the visits, all of which `refresh` makes on the GPU from each
+        call's tables; the order the deal takes its items in comes from their expected visits, at plan
+        time."""
         import cupy
 
         key = (batch, heads, group, ctas, group_items)
@@ -194,16 +199,17 @@ class DynamicTables:
         p = self.plan
         heads_kv = heads // group
         costs = np.broadcast_to(group * self._expected_columns(), (batch, heads_kv, p.tiles_k)).reshape(-1)
-        items = _Geometry(p.tile_n, p.tile_m, p.tiles_k, p.tiles_q, p.rule_mode, _ptr(np.ceil(costs)))
-        deal = schedule.work_order(items, batch, heads_kv, batch, heads_kv, ctas, group_items)
+        order = schedule.deal_order(np.ceil(costs).astype(np.int64), p.tiles_k, group_items, ctas)
+        rounds = -(-order.size // ctas)
         calls = batch * heads // (self.layout_lines[0] * self.layout_lines[1])
         made = {
-            "work": cupy.asarray(deal.table),
+            "work": cupy.full(rounds * ctas, -1, cupy.int32),
             "col_start": cupy.zeros(batch * heads * p.tiles_k, cupy.int32),
             "rank_ptr": cupy.zeros(batch * heads * p.tiles_k + 1, cupy.int64),
             "ranks": cupy.zeros(calls * self.capacity, cupy.int32),
         }
         scratch = {
+            "order": cupy.asarray(order.astype(np.int32)),
             "col_pos": cupy.zeros(self.capacity, cupy.int32),
             "item_start": cupy.zeros(batch * heads_kv * p.tiles_k, cupy.int32),
             "item_rank": cupy.zeros(batch * heads_kv * p.tiles_k, cupy.int32),
@@ -214,13 +220,19 @@ class DynamicTables:
             if name != "col_start":
                 t[name] = array.data.ptr
         t["batch"], t["heads_q"], t["group"], t["ctas"] = batch, heads, group, ctas
-        t["rounds"], t["item_cost"] = deal.table.size // ctas, schedule.ITEM_COST
-        grid, threads = self._launches[2]
-        self._launches[2] = ((3 + -(-ctas // _SCAN_THREADS), 1, 1), threads)
+        t["rounds"], t["item_cost"], t["items"] = rounds, schedule.ITEM_COST, order.size
+        if ctas > _DEAL_CTAS:
+            raise ValueError(f"the deal on the GPU takes at most {_DEAL_CTAS} CTAs, got {ctas}")
+        self._launches[2] = ((4, 1, 1), _SCAN_THREADS)  # three scans, then the deal
+        self._launches[3] = (self._grid(self._step_items + ctas), _THREADS)  # a warp a deal CTA's walk too
         self._launches.append(((-(-p.tiles_q // _WARPS), batch * heads, 1), _THREADS))
         self._pack()
         self._columns = (key, made)
         return made
+
+    def _grid(self, items: int) -> tuple[int, int, int]:
+        """A grid of warps for `items` taken in turn: as many CTAs as the SMs hold at once, or fewer."""
+        return (max(1, min(-(-items // _WARPS), self._resident)), 1, 1)
 
     def _expected_columns(self) -> np.ndarray:
         """The visits each key tile's column is expected to take: each row's expected visits spread evenly

@@ -19,8 +19,9 @@ eager and under ``jit``; the backend is chosen when the call is traced, so error
   a GPU the kernels cannot run, and a call raises naming the JAX version needed (``backend="reference"``
   still runs on the host).
 
-A `cusparseattn.dynamic.DynamicLayout` whose index arrays are traced hands them to each call as operands
-after the pass's inputs, so a jitted step takes new indices without tracing again. Under ``vmap`` each
+A `cusparseattn.dynamic.DynamicLayout` hands its index arrays to each call as operands after the pass's
+inputs, so a jitted step takes new indices without tracing again, and eager calls of layouts alike (the same
+shapes and static parts) share one XLA call. Under ``vmap`` each
 element of the mapped axis is one call (``vmap_method="sequential"``). The log-sum-exp that
 ``return_lse=True`` returns is not differentiable.
 
@@ -65,9 +66,9 @@ def attention(
     (dtype(bfloat16), dtype('float32'), (1, 2, 40))
     """
     inputs = call.prepare(q, k, v, layout, causal=causal, scale=scale, score_mod=score_mod)
-    # A dynamic layout's traced index arrays are operands of the XLA calls, read where they run.
-    traced = isinstance(inputs.layout, DynamicLayout) and inputs.layout.traced
-    indices = [h.native for h in inputs.layout.holders()] if traced else []
+    # A dynamic layout's index arrays are operands of the XLA calls, read where they run.
+    dynamic = isinstance(inputs.layout, DynamicLayout)
+    indices = [h.native for h in inputs.layout.holders()] if dynamic else []
     attend = _differentiable(inputs.layout, inputs.scale, inputs.score_mod, backend)
     out, lse = attend(q, k, v, *indices)
     # The lse leaves as a constant, so its cotangent in the backward is always zero.
@@ -170,7 +171,8 @@ class _Pass:
 
     def _key(self) -> tuple:
         mod = id(self.score_mod)
-        return (type(self), self.op, id(self.layout), self.scale, mod, self.dtype, self.precision)
+        layout = self.layout.signature() if isinstance(self.layout, DynamicLayout) else id(self.layout)
+        return (type(self), self.op, layout, self.scale, mod, self.dtype, self.precision)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, _Pass) and self._key() == other._key()
@@ -208,21 +210,29 @@ class _Kernels(_Pass):
     a jitted step's later calls only launch."""
 
     def __call__(self, ctx, outputs, *args) -> None:
+        args, indices = self.split(args)
         buffers = (*args, *outputs)
-        interfaces = [b.__cuda_array_interface__ for b in buffers]
-        addresses = tuple(i["data"][0] for i in interfaces)
+        interfaces = [b.__cuda_array_interface__ for b in (*buffers, *indices)]
+        addresses = tuple(i["data"][0] for i in interfaces[: len(buffers)])
         device = buffers[0].__dlpack_device__()[1]
-        layouts = zip(interfaces, addresses, strict=True)
-        described = (device, *((i["shape"], i.get("strides"), a % 16) for i, a in layouts))
+        described = (device, *((i["shape"], i.get("strides"), i["data"][0] % 16) for i in interfaces))
         # The key holds self, which holds the layout: no other layout gets its id while the plan is kept.
         launch = plans.kept(("jax", self, described), lambda: self._plan(buffers, ctx.stream))
-        launch(ctx.stream, addresses)
+        # A dynamic layout's passes refill its tables from this call's index buffers.
+        layout = None
+        if indices:
+            held = self.layout.holders()
+            layout = self.layout.with_arrays(
+                *(XlaBuffer(b, h.name, h.dtype, ctx.stream) for b, h in zip(indices, held, strict=True))
+            )
+        launch(ctx.stream, addresses, layout)
 
     def _plan(self, buffers, stream: int):
-        """``launch(stream, addresses)``: the kernels' passes for buffers laid out as these are (in XLA's
-        order: `_INPUTS`, then `_KERNEL_OUTPUTS`), after a check of the inputs: traced arrays had no memory to
-        check when the backend was chosen. XLA's buffers are dense and aligned; the check (the outputs are
-        XLA's own) turns a surprise into an error instead of a misaligned access."""
+        """``launch(stream, addresses, layout)``: the kernels' passes for buffers laid out as these are (in
+        XLA's order: `_INPUTS`, then `_KERNEL_OUTPUTS`), after a check of the inputs: traced arrays had no
+        memory to check when the backend was chosen. XLA's buffers are dense and aligned; the check (the
+        outputs are XLA's own) turns a surprise into an error instead of a misaligned access. `layout`: a
+        dynamic layout over this call's index buffers, else None."""
         from . import cuda, devices
 
         names = _INPUTS[self.op] + _KERNEL_OUTPUTS[self.op]
@@ -237,11 +247,10 @@ class _Kernels(_Pass):
         options = dict(score_mod=self.score_mod, precision=self.precision, **arrays)
         if self.op == "forward":
             return cuda.Forward(q, k, v, self.layout, self.scale, **options).run_at
-        passes = cuda.Backward(q, k, v, self.layout, self.scale, **options)
-        launch = passes.launcher(arrays["dout"])
+        passes, dout = cuda.Backward(q, k, v, self.layout, self.scale, **options), arrays["dout"]
         # XLA's order (dout, q, k, v, out, lse, dq, dk, dv, stats) to the passes' (q, k, v, out, lse, dout,
         # dq, dk, dv, stats)
-        return lambda stream, a: launch(stream, (*a[1:6], a[0], *a[6:]))
+        return lambda stream, a, layout: passes.run_at(stream, (*a[1:6], a[0], *a[6:]), dout, layout)
 
 
 class _ReferenceInPlace(_Pass):

@@ -113,6 +113,13 @@ class _Dealt(NamedTuple):
     parts: np.ndarray  # int64 [parts, 3]: item, first and end entry of its own; an item's in a row
 
 
+def deal_order(counts: np.ndarray, line: int, group_items: int, ctas: int) -> np.ndarray:
+    """The items of `counts` tiles each in the order `work_order` deals them (groups of whole lines, longest
+    first in each): int64, for a deal whose real costs come later (a dynamic layout's, made on the GPU by
+    rounds of `ctas` items of this order)."""
+    return _jobs(counts, line, group_items, ctas).job
+
+
 def _deal(counts: np.ndarray, line: int, group_items: int, ctas: int, max_parts: int = 0) -> _Dealt:
     """The deal of items of `counts` tiles each (`_jobs`) as each CTA's list, and when each item starts."""
     jobs = _jobs(counts, line, group_items, ctas, max_parts)

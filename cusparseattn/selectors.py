@@ -11,11 +11,12 @@ memory: the scores of query rows against pooled keys, one band of rows at a time
   selection; top-k per token with the first blocks and the local blocks (the last ones up to the query)
   always in, later blocks out.
 
-Both give int32 indices ``[B, H, rows, k]``, ascending in each row with ``-1`` padding at its end (rows with
-fewer candidates than ``k``). Ties go to the smaller block index (a stable descending sort), so the set
-chosen is `torch.topk`'s on the same scores wherever no tie straddles the k-th place, and the same on every
-framework and device. The attention on the selection is causal inside the chosen blocks when the caller says
-so: ``ca.attention(q, k, v, ca.dynamic.block_indices(idx, block=b), causal=True)``.
+On PyTorch and CuPy GPU arrays `moba` runs as one CUDA kernel (`cusparseattn.moba_kernel`), with the same
+result. Both give int32 indices ``[B, H, rows, k]``, ascending in each row with ``-1`` padding at its end
+(rows with fewer candidates than ``k``). Ties go to the smaller block index (a stable descending sort), so
+the set chosen is `torch.topk`'s on the same scores wherever no tie straddles the k-th place, and the same
+on every framework and device. The attention on the selection is causal inside the chosen blocks when the
+caller says so: ``ca.attention(q, k, v, ca.dynamic.block_indices(idx, block=b), causal=True)``.
 
 >>> import numpy as np
 >>> import cusparseattn as ca
@@ -33,6 +34,8 @@ import math
 
 import array_api_compat
 
+from . import moba_kernel
+from .arrays import wrap
 from .layout import check_block
 
 #: Bytes of one band's score tensor (float32); a selector keeps a few of these alive at once.
@@ -66,9 +69,12 @@ def moba(q, k, *, block: int = 128, topk: int = 8, causal: bool = True, per: str
     if per not in ("block", "token"):
         raise ValueError(f"per must be 'block' or 'token', got {per!r}")
     (nb, hq, sq, _), (_, hkv, sk, _) = _shapes(q, k)
+    n_k = -(-sk // bk)
+    held = wrap(q, "q"), wrap(k, "k")
+    if not moba_kernel.reasons(*held, n_k):
+        return moba_kernel.select(*held, block=bk, topk=topk, causal=causal, per=per, n_k=n_k)
     work = _work(xp, q)
     means = _pooled(xp, k, bk, work)  # [B, Hkv, nK, D]
-    n_k = means.shape[2]
     queries = _pooled(xp, q, bk, work) if per == "block" else xp.astype(q, work)
     rows_total = queries.shape[2]
     width = topk + 1 if causal else topk

@@ -3,7 +3,8 @@ not by pytest).
 
 Each case covers one path of the kernel: full tiles, C-expression masks, bit masks, empty rows and key tiles,
 ragged lengths, GQA, [B, S, H, D] strides, head dims that are padded (40) or kept in shared memory (256),
-persistent kernels' CTAs that take many work items in turn, and dynamic layouts' tables built on the GPU.
+persistent kernels' CTAs that take many work items in turn, dynamic layouts' tables built on the GPU, and
+MoBA's gate.
 Arguments: run only the cases whose names hold one of them (``python3 tests/sanitize_cases.py dynamic``).
 """
 
@@ -75,8 +76,36 @@ def dynamic_layout(seq: int, sinks: bool):
     return layout | BlockLayout(first, block_size=block, seq_q=seq)
 
 
+# MoBA's gate as a kernel (cusparseattn.moba_kernel): ragged lengths, GQA, a topk past the candidates, rows
+# that start at no key, unaligned rows (loads of one element), per block and per token.
+SELECTOR_CASES = [
+    ("moba bf16 d64 gqa", torch.bfloat16, 64, (2, 4, 1000), (2, 2, 1300), 30, False),
+    ("moba fp16 d63 unaligned", torch.float16, 63, (1, 2, 700), (1, 2, 500), 3, True),
+    ("moba fp32 d128", torch.float32, 128, (1, 2, 512), (1, 1, 512), 4, False),
+]
+
+
+def selector_cases(names: list[str]) -> None:
+    from cusparseattn import selectors
+
+    for name, dtype, dim, q_shape, k_shape, topk, unaligned in SELECTOR_CASES:
+        if names and not any(n in name for n in names):
+            continue
+        extra = int(unaligned)
+        q, k = (
+            torch.randn(*s, dim + extra, device="cuda", dtype=dtype)[..., extra:] for s in (q_shape, k_shape)
+        )
+        for per in ("block", "token"):
+            for causal in (True, False):
+                idx = selectors.moba(q, k, block=64, topk=topk, per=per, causal=causal)
+                torch.cuda.synchronize()
+                assert int(idx.max()) < -(-k_shape[2] // 64), name
+        print(f"ran {name}", flush=True)
+
+
 def main(names: list[str]) -> None:
     """Runs the cases whose names hold one of `names` (every case without)."""
+    selector_cases(names)
     for name, dtype, dim, group, seq, pattern in CASES:
         if names and not any(n in name for n in names):
             continue

@@ -206,3 +206,40 @@ def test_a_new_layout_each_step_reuses_the_plan_and_reads_its_own_indices():
         g64, g_low = backward_refs(to_host(dout), q, k, v, host)
         check_close(f"dq, step {step}", to_host(dq), g64[0], g_low[0], dtype="float16")
     assert plans.builds() == made  # the third step made no plan
+
+
+@pytest.mark.parametrize("hopper", [False, True])
+def test_jax_jit_runs_the_kernels_on_traced_indices(monkeypatch, hopper):
+    """Inside jax.jit the indices are traced operands of the XLA calls: each step's new ones refill the
+    tables on XLA's stream, without tracing again."""
+    jax = pytest.importorskip("jax")
+    import ml_dtypes
+
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:
+        pytest.skip("JAX sees no GPU (a CPU-only jaxlib)")
+    launched = hopper_path(monkeypatch, hopper)
+    rng = np.random.default_rng(21 + hopper)
+    B, H, S, D, block = 1, 2, 640, 128, 64
+    n = S // block
+    host = random_qkv(rng, B, H, H, S, S, D, ml_dtypes.bfloat16)
+    dout = rng.standard_normal(host[0].shape).astype(ml_dtypes.bfloat16)
+    q, k, v, jd = (jax.device_put(x, gpus[0]) for x in (*host, dout))
+
+    def step(q, k, v, idx):
+        lay = dynamic.block_indices(idx, block=block)
+        out, vjp = jax.vjp(lambda q, k, v: ca.attention(q, k, v, lay, causal=True), q, k, v)
+        return out, *vjp(jd)
+
+    jitted = jax.jit(step)
+    for _ in range(2):
+        idx = _indices(rng, (B, H, n, 3), n)
+        results = jax.block_until_ready(jitted(q, k, v, jax.device_put(idx, gpus[0])))
+        lay_host = dynamic.block_indices(idx, block=block) & patterns.causal(block=block)
+        ref64, low_ref = forward_refs(*host, lay_host)
+        check_close("out", np.asarray(results[0]), ref64[0], low_ref[0], dtype="bfloat16")
+        g64, g_low = backward_refs(dout, *host, lay_host)
+        for name, got, want, want_low in zip(("dq", "dk", "dv"), results[1:], g64, g_low, strict=True):
+            check_close(name, np.asarray(got), want, want_low, dtype="bfloat16")
+    assert jitted._cache_size() == 1
+    assert launched and any(name.endswith("_sm90") for name in launched) == hopper

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cusparseattn import arrays, backends, patterns, plans, reference
+from cusparseattn import arrays, backends, dynamic, patterns, plans, reference
 from cusparseattn.layout import BlockLayout
 from cusparseattn.rules import TokenRule
 from cusparseattn.testing import backward_refs, check_close, forward_refs, random_qkv
@@ -315,11 +315,9 @@ def spy_on_cuda(monkeypatch, reasons=()):
                 calls[op] = [q, k, v, *arrays.values(), layout, scale]
                 calls["precision"] = precision
 
-            def run_at(self, stream, addresses):
+            def run_at(self, stream, addresses, *dout_and_layout):
                 calls["launched"] = (stream, addresses)
-
-            def launcher(self, dout):
-                return self.run_at
+                calls["launched_layout"] = dout_and_layout[-1]
 
         return Passes
 
@@ -355,7 +353,7 @@ def test_kernel_pass_lends_xla_buffers_and_stream_to_the_kernels(monkeypatch):
         ("out", q4, (768, 192, 8, 1), "bfloat16", ("cuda", 1), 1024, 0x5EED),
         ("lse", row, (96, 24, 1), "float32", ("cuda", 1), 1280, 0x5EED),
     ]
-    assert calls["launched"] == (0x5EED, (256, 512, 768, 1024, 1280))
+    assert calls["launched"] == (0x5EED, (256, 512, 768, 1024, 1280)) and calls["launched_layout"] is None
     moved = {
         n: FakeBuffer(b.__cuda_array_interface__["shape"], 4096 * (i + 1))
         for i, (n, b) in enumerate(bufs.items())
@@ -385,6 +383,34 @@ def test_kernel_pass_lends_xla_buffers_and_stream_to_the_kernels(monkeypatch):
         0x5EED,
         tuple(bufs[n].__cuda_array_interface__["data"][0] for n in passes_order),
     )
+
+
+def test_kernel_pass_refills_a_dynamic_layout_from_each_calls_index_buffers(monkeypatch):
+    """A dynamic layout's indices come as operands after the inputs: each launch gets the layout over that
+    call's index buffers, and calls with other index buffers of the same shape share the plan."""
+    calls = spy_on_cuda(monkeypatch)
+    lay = dynamic.block_indices(np.zeros((1, 1, 2, 3), np.int32), block=16)
+    shapes = {
+        "q": (1, 4, 24, 8),
+        "k": (1, 2, 40, 8),
+        "v": (1, 2, 40, 8),
+        "out": (1, 4, 24, 8),
+        "lse": (1, 4, 24),
+    }
+    bufs = {n: FakeBuffer(s, 256 * (i + 1)) for i, (n, s) in enumerate(shapes.items())}
+    for address in (0x9000, 0xA000):
+        indices = FakeBuffer((1, 1, 2, 3), address, "<i4")
+        ca_jax._Kernels("forward", lay, 0.25, None, "bfloat16")(
+            FakeContext(), (bufs["out"], bufs["lse"]), *(bufs[n] for n in "qkv"), indices
+        )
+        (held_indices,) = calls["launched_layout"].holders()
+        assert (held_indices.data_ptr, held_indices.shape, held_indices.dtype) == (
+            address,
+            (1, 1, 2, 3),
+            "int32",
+        )
+        assert held_indices.stream == 0x5EED and calls["launched"][1] == (256, 512, 768, 1024, 1280)
+    assert calls["planned"] == 1
 
 
 def test_kernel_pass_refuses_buffers_the_kernels_cannot_read(monkeypatch):
@@ -483,9 +509,9 @@ def test_gpu_eager_calls_and_vmap_run_the_kernels_on_xla_buffers(monkeypatch):
     gpu = jax_gpu()
     launched, launch = [], cuda.Forward.run_at
 
-    def spy(self, stream, addresses):
+    def spy(self, stream, addresses, layout=None):
         launched.append(("cuda", self.device))
-        return launch(self, stream, addresses)
+        return launch(self, stream, addresses, layout)
 
     monkeypatch.setattr(cuda.Forward, "run_at", spy)
     rng = np.random.default_rng(3)

@@ -269,16 +269,21 @@ def test_ranks_in_one_sort_or_a_lexsort(seed, tiles):
 
 
 # ---- the schedules, against the greedy deal one job at a time ----------------------------------------------
-def oracle_deal(counts, line, group_items, ctas, max_parts=0):
-    """schedule._deal as (table, start, end, parts), plainly: the items longest first within groups of lines,
-    each to the CTA that a heap of (free at, CTA) gives first; with `max_parts`, the items that start once a
-    CTA is idle split in the way (of SPLIT_COUNTS) that ends soonest, where that gains SPLIT_GAIN."""
+def oracle_order(counts, line, group_items, ctas):
+    """The items in the order `oracle_deal` deals them: longest first within groups of lines."""
     lines = counts.size // line
     cost = counts.sum() + schedule.ITEM_COST * counts.size
     longest = int(counts.max(initial=0)) + schedule.ITEM_COST
     most = max(1, -(-group_items // line), -(-longest * ctas * lines // max(cost, 1)))
     groups = -(-lines // most)
-    order = np.lexsort((-counts, np.arange(counts.size) // line * groups // max(lines, 1)))
+    return np.lexsort((-counts, np.arange(counts.size) // line * groups // max(lines, 1)))
+
+
+def oracle_deal(counts, line, group_items, ctas, max_parts=0):
+    """schedule._deal as (table, start, end, parts), plainly: the items longest first within groups of lines,
+    each to the CTA that a heap of (free at, CTA) gives first; with `max_parts`, the items that start once a
+    CTA is idle split in the way (of SPLIT_COUNTS) that ends soonest, where that gains SPLIT_GAIN."""
+    order = oracle_order(counts, line, group_items, ctas)
     costs = (counts[order] + schedule.ITEM_COST).tolist()
     jobs = [(item, c, -1) for item, c in zip(order.tolist(), costs, strict=True)]
     queue = [(0, c) for c in range(min(ctas, len(jobs)))]
@@ -528,3 +533,18 @@ def test_a_new_layouts_schedule_is_quick():
     seconds = best(forward_schedule), best(backward_schedule)
     print(f"forward {seconds[0] * 1e3:.2f} ms, fused backward {seconds[1] * 1e3:.2f} ms")
     assert seconds[0] < 6e-3 and seconds[1] < 80e-3
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 40), min_size=1, max_size=50),
+    line=st.sampled_from([1, 2, 4]),
+    ctas=st.integers(1, 12),
+    group_items=st.integers(1, 64),
+)
+def test_deal_order_is_the_order_the_deal_takes_its_items(counts, line, ctas, group_items):
+    """The order a deal made on the GPU takes (dynamic layouts' fused backward) is `_deal`'s: longest first
+    inside groups of whole lines."""
+    counts = np.array(counts * line, np.int64)  # whole lines
+    order = schedule.deal_order(counts, line, group_items, ctas)
+    np.testing.assert_array_equal(order, oracle_order(counts, line, group_items, ctas))
