@@ -356,7 +356,9 @@ class SelectSpec:
     dtype: str
     vec: int
     kernel = "moba_select"
-    shared_bytes = 96 * 1024  # its scores' most: a warp's row of key blocks in float32, four warps a CTA
+    # Its scores' most: a warp's row of key blocks in float32, four warps a CTA; with the pooling step's 8 KiB
+    # of static shared memory, within every device's 99 KiB (sm_86 and sm_89 have no more).
+    shared_bytes = 64 * 1024
     threads = 256
     arch = None
 

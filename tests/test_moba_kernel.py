@@ -1,6 +1,7 @@
-"""MoBA's gate as a CUDA kernel (``pytest -m gpu``): `selectors.moba` on GPU arrays against the array-API code
-on the same values on the host (exactly, on inputs whose scores are exact in float32, ties included; on random
-ones, up to rounding where two scores nearly tie), with no host sync, in a CUDA graph, on CuPy arrays."""
+"""MoBA's gate as a CUDA kernel: what it refuses, and (the GPU tests, ``pytest -m gpu``) `selectors.moba`
+on GPU arrays against the array-API code on the same values on the host (exactly, on inputs whose scores
+are exact in float32, ties included; on random ones, up to rounding where two scores nearly tie), with no
+host sync, in a CUDA graph, on CuPy arrays."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ from hypothesis import strategies as st
 
 from cusparseattn import moba_kernel, selectors
 from cusparseattn.arrays import wrap
-
-pytestmark = pytest.mark.gpu
 
 DTYPES = ["bfloat16", "float16", "float32"]
 
@@ -47,6 +46,18 @@ def _host(x):
     return x.float().cpu().numpy()
 
 
+def test_reasons_name_what_the_kernel_cannot_take():
+    q = np.zeros((1, 2, 64, 300))
+    reasons = moba_kernel.reasons(wrap(q), wrap(q), 5000)
+    assert reasons == [
+        "the kernel takes PyTorch and CuPy arrays on a GPU",
+        "the kernel takes q and k of one dtype among ['bfloat16', 'float16', 'float32']",
+        "the kernel takes head dims up to 256",
+        "the kernel holds a row's scores of at most 4096 key blocks",
+    ]
+
+
+@pytest.mark.gpu
 @settings(max_examples=60, deadline=None)
 @given(case=gate_cases())
 def test_the_kernel_chooses_what_the_array_api_code_chooses_on_exact_scores(case):
@@ -85,6 +96,7 @@ def _scores(q, k, block, per, causal):
     return s
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("per", ["block", "token"])
 def test_on_random_inputs_only_near_ties_differ(dtype, per):
@@ -106,6 +118,7 @@ def test_on_random_inputs_only_near_ties_differ(dtype, per):
         assert gap <= 1e-2 * np.abs(scores[at][np.isfinite(scores[at])]).max(), (at, gap)
 
 
+@pytest.mark.gpu
 def test_every_entry_is_written_and_nothing_syncs_and_a_graph_replays():
     import torch
 
@@ -138,6 +151,7 @@ def test_every_entry_is_written_and_nothing_syncs_and_a_graph_replays():
     )
 
 
+@pytest.mark.gpu
 def test_cupy_arrays_in_cupy_indices_out():
     import cupy
 
