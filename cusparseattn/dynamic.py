@@ -213,16 +213,16 @@ class DynamicLayout:
         if self.traced or self.device[0] == "cpu":
             return None
         described = tuple(signature(h.native) for h in self.holders())
-        if None in described:
-            return None
-        return (self.per, self.block_size, id(self.within), id(self.plus), described)
+        return None if None in described else self._key(described)
 
     def signature(self) -> tuple:
         """What its passes depend on but the index values: ``per``, the block size, the static parts by
         identity, the index arrays' shapes and dtypes (the key of an XLA call, whose index buffers come with
         each call)."""
-        holders = tuple((h.shape, h.dtype) for h in self.holders())
-        return (self.per, self.block_size, id(self.within), id(self.plus), holders)
+        return self._key(tuple((h.shape, h.dtype) for h in self.holders()))
+
+    def _key(self, arrays: tuple) -> tuple:
+        return (self.per, self.block_size, id(self.within), id(self.plus), arrays)
 
     @property
     def traced(self) -> bool:

@@ -9,7 +9,6 @@ lengths, the tile shape and the device. `reasons` says which dynamic layouts the
 
 from __future__ import annotations
 
-import ctypes
 import struct
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ import numpy as np
 from . import build, devices, plan, schedule
 from .dynamic import DynamicLayout
 from .gpu_tables import set_rule
-from .launches import launch_kernel
+from .launches import launch_kernel, struct_arguments
 from .recent import Recent
 
 _THREADS, _SCAN_THREADS = 256, build.TablesSpec.threads  # a step's CTA: most steps', the scan's
@@ -286,8 +285,7 @@ class DynamicTables:
             if counts is not None:
                 struct.pack_into("<Q", params, fields["counts"][1], counts.data_ptr)
                 struct.pack_into("<3q", params, fields["c_sb"][1], *counts.strides)
-            values = ctypes.create_string_buffer(bytes(params), len(params))
-            out.append(((ctypes.c_void_p * 1)(ctypes.addressof(values)), values))
+            out.append(struct_arguments(params))
         return out
 
 

@@ -192,6 +192,13 @@ class Bound:
         return arguments
 
 
+def struct_arguments(params: bytes) -> tuple:
+    """(table, buffer): the argument table of a kernel that takes one struct, `params`, by value, and the
+    buffer holding its bytes, which must live until the launch returns."""
+    values = ctypes.create_string_buffer(bytes(params), len(params))
+    return (ctypes.c_void_p * 1)(ctypes.addressof(values)), values
+
+
 def launch_kernel(kernel: int, grid, block, shared: int, stream: int, table) -> None:
     """cuLaunchKernel of a loaded kernel (its CUfunction handle) on a raw stream handle; `table` holds the
     address of each argument's bytes, in order (the driver copies them before it returns). CuPy's kernel

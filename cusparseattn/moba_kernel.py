@@ -9,14 +9,13 @@ same indices as the array-API code on the same pooled values.
 
 from __future__ import annotations
 
-import ctypes
 import struct
 
 import numpy as np
 
 from . import build, devices
 from .arrays import Tensor
-from .launches import bind_device, launch_kernel, scratch
+from .launches import bind_device, launch_kernel, scratch, struct_arguments
 from .recent import Recent
 
 _POOL_THREADS, _SELECT_WARPS = 256, 4  # kernels/moba_select.cu's
@@ -114,10 +113,10 @@ class _Launch:
         with cupy.cuda.Device(self.device):
             bind_device(self.device)
             for grid, threads, shared, packed in self.steps:
-                params = ctypes.create_string_buffer(packed, len(packed))
+                params = bytearray(packed)
                 struct.pack_into("<2Q", params, self._inputs, q.data_ptr, k.data_ptr)
                 struct.pack_into("<3Q", params, self._outputs, k_pool.data_ptr, q_pool, out.data_ptr)
-                table = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+                table, values = struct_arguments(params)  # values: alive until the launch returns
                 launch_kernel(self._function, grid, threads, shared, stream, table)
         return out.native
 
