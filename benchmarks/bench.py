@@ -12,12 +12,14 @@
 
 Parts:
 
-- compile: a cold first call of an unseen rule expression (forward, then backward), and a cached call's host
-  time.
+- compile: the first call of an unseen mask function (traced, classified, compiled and run): the process's
+  first, another's, and a third's training step; and a cached call's host time.
 - mods: packed documents (causal in each) with ALiBi and tanh soft-capping at S = 8192, D = 128, against
   FlexAttention with the same mods: first-call seconds (compiling for the mods), then TFLOP/s.
-- cases: dense, causal, local1024 and strided8 at S = 4096 and 16384, D = 128 and 64; forward and
-  forward+backward TFLOP/s of cusparseattn and each peer, and cusparseattn / Flex for both.
+- cases: dense, causal, local1024, strided8 and documents (8 packed documents cut at random tokens, causal
+  in each, GQA with 4 key and value heads to 16 query heads, the mask function reading a captured tensor of
+  document ids) at S = 4096 and 16384, D = 128 and 64; forward and forward+backward TFLOP/s of cusparseattn
+  and each peer, and cusparseattn / Flex for both.
 - sweep: forward time against density (S = 16384, D = 128, windows from S/64 to dense).
 - memory: peak extra GPU memory of one forward at S = 4096, 16384, 65536.
 - train-memory: the same for one forward+backward (B = 1, H = 16, D = 128, causal and local1024, S = 16384,
@@ -60,13 +62,16 @@ from pathlib import Path
 import numpy as np
 
 B, H = 2, 16
-CASES = ["dense", "causal", "local1024", "strided8"]
+CASES = ["dense", "causal", "local1024", "strided8", "documents"]
+GQA = {"documents": 4}  # the key and value heads of the cases with fewer of them than of queries
+DOCUMENTS = 8  # packed in each sequence of the "documents" case
 PARTS = ["compile", "mods", "cases", "sweep", "memory", "train-memory", "precision"]
 DTYPES = ["bfloat16", "float16", "float32"]
 HALF_ONLY = ("flexfa4", "fa4", "portable")  # peers left out of float32 cases
 # "portable": cusparseattn's mma.sync kernels on a Hopper GPU, beside its Hopper ones (CUSPARSEATTN_HOPPER=0).
 PEERS = ["cusparseattn", "portable", "mask", "flex", "flexfa4", "sdpa", "fa4"]
 PASSES = {"fwd": "forward", "fwdbwd": "forward+backward"}
+FIRSTS = (("call", "first_call_s"), ("step", "first_step_s"))  # seconds of each peer's first call and step
 BACKWARD_FLOPS = 3.5  # forward+backward FLOPs per forward FLOP: 2 matmuls forward, 5 backward
 # Bytes per token that one forward+backward must hold at H = 16, D = 128 (bf16): the saved output, its
 # float32 log-sum-exp and the backward's float32 delta = rowsum(dout * out).
@@ -75,20 +80,36 @@ MEMORY_SEQS = (4096, 16384, 65536)  # forward memory
 TRAIN_MEMORY_SEQS = (16384, 32768, 65536)  # forward+backward memory
 
 
-def token_rule(case: str):
-    """The case as a FlexAttention mask_mod (token level)."""
+@functools.cache
+def document_ids(seq: int) -> np.ndarray:
+    """The "documents" case's document of each token: `DOCUMENTS` documents cut at random tokens."""
+    rng = np.random.default_rng(seq)
+    cuts = np.sort(rng.choice(np.arange(1, seq), size=DOCUMENTS - 1, replace=False))
+    return np.repeat(np.arange(DOCUMENTS, dtype=np.int32), np.diff([0, *cuts, seq]))
+
+
+@functools.cache
+def token_rule(case: str, seq: int):
+    """The case as a FlexAttention mask_mod (token level), one function object per case and length."""
     if case == "causal":
         return lambda b, h, q, k: q >= k
     if case == "local1024":
         return lambda b, h, q, k: (q >= k) & (q - k < 1024)
     if case == "strided8":
         return lambda b, h, q, k: (q >= k) & ((q // 128 - k // 128 < 8) | (k // 128 % 8 == 7))
+    if case == "documents":
+        import torch
+
+        ids = torch.as_tensor(document_ids(seq), device="cuda" if torch.cuda.is_available() else "cpu")
+        return lambda b, h, q, k: (q >= k) & (ids[q] == ids[k])
     return None
 
 
-def pattern(case: str):
+def pattern(case: str, seq: int):
     from cusparseattn import patterns
 
+    if case == "documents":
+        return patterns.document(document_ids(seq), causal=True, block=128)
     return {
         "dense": patterns.dense(block=128),
         "causal": patterns.causal(block=128),
@@ -139,15 +160,16 @@ def peers(case: str, q, k, v, names=PEERS) -> tuple[dict, list]:
             from torch.nn.attention.flex_attention import create_block_mask
 
             flex = compiled_flex()
-            mod = token_rule(case)
             seq = q.shape[2]
+            mod = token_rule(case, seq)
             mask = None if mod is None else create_block_mask(mod, None, None, seq, seq, BLOCK_SIZE=128)
+            gqa = k.shape[1] != q.shape[1]
             if "flex" in names:
-                out["flex"] = lambda: flex(q, k, v, block_mask=mask)
+                out["flex"] = lambda: flex(q, k, v, block_mask=mask, enable_gqa=gqa)
             if "flexfa4" in names:
                 # Without FlashAttention-4 installed its first call raises: reported as that peer's failure.
                 fa4 = {"BACKEND": "FLASH"}
-                out["flexfa4"] = lambda: flex(q, k, v, block_mask=mask, kernel_options=fa4)
+                out["flexfa4"] = lambda: flex(q, k, v, block_mask=mask, enable_gqa=gqa, kernel_options=fa4)
         except Exception as err:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
             print(f"  flex unavailable: {err}")
     if case in ("dense", "causal") and "sdpa" in names:
@@ -210,13 +232,14 @@ def measure_case(case: str, q, k, v, backward: bool, names=PEERS, repeats: int =
     import cusparseattn as ca
 
     batch, heads, seq, dim = q.shape
-    layout = pattern(case).layout(seq)
+    layout = pattern(case, seq).layout(seq)
     flops = 4 * batch * heads * seq * seq * dim * layout.density
     row = {
         "case": case,
         "S": seq,
         "D": dim,
         "density": layout.density,
+        "kv_heads": k.shape[1],
         "fwd": {},
         "fwdbwd": {},
         "repeats": repeats,
@@ -225,13 +248,15 @@ def measure_case(case: str, q, k, v, backward: bool, names=PEERS, repeats: int =
     where = f"{case} S={seq} D={dim}"
     ours = functools.partial(ca.attention_forward, q, k, v, layout)
     portable = {"portable": ours} if "portable" in names and _on_hopper(q.device.index or 0) else {}
-    spelled = token_rule(case) if "mask" in names else None
+    spelled = token_rule(case, seq) if "mask" in names else None
     mask = {} if spelled is None else {"mask": functools.partial(ca.attention_forward, q, k, v, spelled)}
     forward = {**({"cusparseattn": ours} if "cusparseattn" in names else {}), **portable, **mask, **others}
 
     def forward_ms(name, fn):
         with torch.no_grad(), _kernels_of(name):
             return bench(fn)
+
+    row["first_call_s"] = _first_seconds(forward, lambda fn: _first(fn()))
 
     row["fwd"], row["fwd_each"] = _in_turn(forward, forward_ms, flops, repeats, f"forward failed on {where}")
     if not backward:
@@ -267,9 +292,33 @@ def measure_case(case: str, q, k, v, backward: bool, names=PEERS, repeats: int =
             for x in leaves:
                 x.grad = None
 
+    def first_step(fn):
+        _first(fn()).sum().backward()
+        for x in leaves:
+            x.grad = None
+
+    row["first_step_s"] = _first_seconds(training, first_step)
     failed = f"forward+backward failed on {where}"
     row["fwdbwd"], row["fwdbwd_each"] = _in_turn(training, step_ms, BACKWARD_FLOPS * flops, repeats, failed)
     return row
+
+
+def _first_seconds(fns: dict, call) -> dict:
+    """``{name: seconds}`` of each of `fns`'s first call, ``call(fn)`` (compiling what it needs), with the
+    GPU's work; a name whose call raises is left out here (`_in_turn` reports it)."""
+    import torch
+
+    seconds = {}
+    for name, fn in fns.items():
+        start = time.perf_counter()
+        try:
+            with _kernels_of(name):
+                call(fn)
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001, S112 - _in_turn times the same call and reports why it fails
+            continue
+        seconds[name] = time.perf_counter() - start
+    return seconds
 
 
 def _in_turn(fns: dict, time_ms, flops: float, repeats: int, failed: str) -> tuple[dict, dict]:
@@ -292,9 +341,12 @@ def _in_turn(fns: dict, time_ms, flops: float, repeats: int, failed: str) -> tup
     return {name: statistics.median(values) for name, values in each.items()}, each
 
 
-def _ratio(row: dict, pass_: str) -> float:
-    ours, flex = row[pass_].get("cusparseattn"), row[pass_].get("flex")
-    return ours / flex if ours and flex else math.nan
+def _ratio(row: dict, pass_: str, against: str = "flex") -> float:
+    """``ours / against`` (Flex's), or for ``"mask"`` the mask function's figure over the built-in's."""
+    ours, other = row[pass_].get("cusparseattn"), row[pass_].get(against)
+    if against == "mask":
+        ours, other = other, ours
+    return ours / other if ours and other else math.nan
 
 
 def run_cases(seqs, dims, cases, backward: bool, results, names=PEERS, repeats: int = 1, dtype="bfloat16"):
@@ -313,7 +365,9 @@ def run_cases(seqs, dims, cases, backward: bool, results, names=PEERS, repeats: 
                 for _ in range(3)
             )
             for case in cases:
-                row = measure_case(case, q, k, v, backward, names, repeats)
+                # GQA cases take the first of the heads as their own leaves.
+                kv = [x[:, : GQA[case]].detach().clone().requires_grad_(backward) for x in (k, v)]
+                row = measure_case(case, q, *(kv if case in GQA else (k, v)), backward, names, repeats)
                 row["dtype"] = str(dtype).removeprefix("torch.")
                 results["cases"].append(row)
                 parts = []
@@ -322,7 +376,11 @@ def run_cases(seqs, dims, cases, backward: bool, results, names=PEERS, repeats: 
                         figures = " ".join(f"{n} {values[n]:6.1f}" for n in PEERS if n in values)
                         ratio = _ratio(row, pass_)
                         versus = "" if math.isnan(ratio) else f" (x{ratio:.2f} flex)"
+                        spelled = _ratio(row, pass_, "mask")
+                        versus += "" if math.isnan(spelled) else f" (mask x{spelled:.2f} pattern)"
                         parts.append(f"{pass_}: {figures}{versus}")
+                firsts = [(what, row.get(key, {}).get("mask")) for what, key in FIRSTS]
+                parts += [f"mask's first {what} {s:.2f} s" for what, s in firsts if s is not None]
                 print(
                     f"{case:10} S={seq:6} D={dim:4} d={row['density']:.3f} | {' | '.join(parts)}", flush=True
                 )
@@ -462,7 +520,7 @@ def precision(results, seq: int = 4096, heads: int = 8):
 
     layout = patterns.causal(block=128).layout(seq)
     flex = compiled_flex()
-    mask = create_block_mask(token_rule("causal"), None, None, seq, seq, BLOCK_SIZE=128)
+    mask = create_block_mask(token_rule("causal", seq), None, None, seq, seq, BLOCK_SIZE=128)
 
     def sdpa(backend):
         def run(q, k, v):
@@ -529,51 +587,58 @@ def precision(results, seq: int = 4096, heads: int = 8):
 
 
 def compile_time(results, backward: bool):
-    """Cold first call of one new specialisation (an unseen rule expression), forward alone and a training
-    step (forward and backward, of another unseen one), and a cached forward call's host time."""
+    """The first call of unseen rules, each a mask function traced, its layout classified and its kernels
+    compiled: the process's first (with the imports and set-up that only it pays), another's forward, and a
+    third's training step (forward and backward); then a cached forward call's host time."""
     import torch
 
     import cusparseattn as ca
-    from cusparseattn import BlockLayout, TokenRule, build
+    from cusparseattn import build, patterns
 
     seq = 1024
     q, k, v = (torch.randn(1, 4, seq, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    blocks = np.tril(np.ones((seq // 128, seq // 128), bool))
 
-    def fresh_layout(salt: int) -> BlockLayout:
-        """A layout of a rule expression that no cache holds."""
-        rule = TokenRule("fresh", lambda b, h, qi, ki: ki <= qi + salt % 1, c_expr=f"k <= q + {salt} % 1")
-        return BlockLayout(blocks, block_size=128, seq_q=seq, rule=rule)
+    def fresh_rule(salt: int):
+        """A causal mask function whose C text no cache holds (a division by `salt` is a literal there),
+        passed as the layout: its first call traces it and classifies its blocks."""
+        return lambda b, h, qi, ki: (ki <= qi) & (qi % salt < salt)
 
-    salt = time.time_ns() % 100000
-    layout = fresh_layout(salt)
-    start = time.perf_counter()
-    ca.attention_forward(q, k, v, layout)
-    torch.cuda.synchronize()
-    cold = time.perf_counter() - start
-    ca.attention_forward(q, k, v, layout)
-    torch.cuda.synchronize()
+    def timed(call) -> float:
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    salt = time.time_ns() % 100000 + 2
+    firsts = [fresh_rule(salt + i) for i in range(3)]
+    results["compile"] = {}
+    seconds = results["compile"]
+    seconds["cold_first_call_s"] = timed(lambda: ca.attention_forward(q, k, v, firsts[0]))
+    seconds["first_call_s"] = timed(lambda: ca.attention_forward(q, k, v, firsts[1]))
     n = 200
     start = time.perf_counter()
     for _ in range(n):
-        ca.attention_forward(q, k, v, layout)
-    host_us = (time.perf_counter() - start) / n * 1e6
+        ca.attention_forward(q, k, v, firsts[1])
+    seconds["host_us_per_cached_call"] = (time.perf_counter() - start) / n * 1e6
     torch.cuda.synchronize()
-    results["compile"] = {"cold_first_call_s": cold, "host_us_per_cached_call": host_us}
-    line = f"compile: cold first call {cold:.2f} s; cached call {host_us:.1f} us of host time"
-    step_layout = fresh_layout(salt + 1)
-    reasons = backward_reasons(q, k, v, step_layout) if backward else []
+    line = (
+        f"compile: the process's first call {seconds['cold_first_call_s']:.2f} s, an unseen rule's first "
+        f"call {seconds['first_call_s']:.2f} s; cached call {seconds['host_us_per_cached_call']:.1f} us of "
+        "host time"
+    )
+    reasons = backward_reasons(q, k, v, patterns.causal().layout(seq)) if backward else []
     if reasons:
         print(f"compile: cusparseattn backward cannot run: {'; '.join(reasons)}")
     elif backward:
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        start = time.perf_counter()
-        out = ca.attention(*leaves, step_layout, backend="cuda")
-        out.backward(torch.randn_like(out))
-        torch.cuda.synchronize()
-        results["compile"]["cold_first_step_s"] = time.perf_counter() - start
-        line += f"; cold first training step {results['compile']['cold_first_step_s']:.2f} s"
-    results["compile"]["loads"] = dict(build.COMPILE_TIMES)
+
+        def step():
+            out = ca.attention(*leaves, firsts[2], backend="cuda")
+            out.backward(torch.randn_like(out))
+
+        seconds["first_step_s"] = timed(step)
+        line += f"; an unseen rule's first training step {seconds['first_step_s']:.2f} s"
+    seconds["loads"] = dict(build.COMPILE_TIMES)
     print(line, flush=True)
 
 

@@ -147,7 +147,9 @@ def main(argv=None) -> None:
     shape = (bench.B, bench.H, args.seq, args.dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     for case in args.cases.split(","):
-        measure_case(case, bench.pattern(case).layout(args.seq), q, k, v, torch.randn_like(q), args.calls)
+        measure_case(
+            case, bench.pattern(case, args.seq).layout(args.seq), q, k, v, torch.randn_like(q), args.calls
+        )
 
 
 if __name__ == "__main__":

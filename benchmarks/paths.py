@@ -664,7 +664,7 @@ def run(args) -> list[dict]:
 
 def run_case(ca, case: str, seq: int, dim: int, host: dict, args) -> list[dict]:
     """The rows of every path of `args.paths` on one case (each followed by its floor's, with `--floor`)."""
-    layout = bench.pattern(case)  # the Pattern: built once, passed to every call of every path
+    layout = bench.pattern(case, seq)  # the Pattern: built once, passed to every call of every path
     density = layout.layout(seq).density
     flops = 4 * args.batch * args.heads * seq * seq * dim * density
     rows = {}

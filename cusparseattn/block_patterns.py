@@ -10,8 +10,9 @@ import numpy as np
 
 from . import pattern as base
 from .layout import BlockLayout
+from .mods import mask_rule
 from .pattern import Pattern
-from .rules import TokenRule
+from .traced import CapturedArray
 
 
 def _block_pattern(name: str, block, make: Callable[[int], np.ndarray]) -> Pattern:
@@ -85,7 +86,7 @@ def fixed(
         r = (np.arange(heads) % nv)[:, None, None]
         verts = (j % st >= st - (r + 1) * vs) & (j % st < st - r * vs)
         blocks = (verts | (i // st == j // st)) & (j <= i)
-        rule = TokenRule("causal", lambda b, h, q, k: k <= q, c_expr="k <= q")
+        rule = mask_rule(lambda b, h, q, k: k <= q, name="causal")
         lay = BlockLayout(blocks[None], block_size=bb, seq_q=sq, partial=(i == j)[None, None], rule=rule)
         return lay
 
@@ -261,6 +262,7 @@ def longformer(
         flags[tokens[tokens < sq]] = 1
         flags = np.ascontiguousarray(flags[:sq])
         counts = np.add.reduceat(flags, np.arange(0, sq, bb))
+        table = CapturedArray(flags)  # looked up clamped, on NumPy, torch or traced indices alike
         sizes = np.minimum(bb, sq - np.arange(0, sq, bb))
         i, j = _block_index(nb)
         window = np.abs(i - j) <= w
@@ -271,19 +273,10 @@ def longformer(
 
         def fn(b, h, q, k):
             qb, kb = q // bb, k // bb
-            near = (qb - kb <= w) & (kb - qb <= w)
-            out = near | (base.take(flags, q) != 0) | (base.take(flags, k) != 0)
+            out = ((qb - kb <= w) & (kb - qb <= w)) | (table[q] != 0) | (table[k] != 0)
             return out & (kb <= qb) if uni else out
 
-        near = "q / P0 - k / P0 <= P1 && k / P0 - q / P0 <= P1"
-        expr = f"({near}) || A0[{base.clamp('q', 'P2')}] || A0[{base.clamp('k', 'P2')}]"
-        rule = TokenRule(
-            f"longformer({nsw})",
-            fn,
-            c_expr=f"({expr}) && k / P0 <= q / P0" if uni else expr,
-            params=(bb, w, sq),
-            arrays=(flags,),
-        )
+        rule = mask_rule(fn, name=f"longformer({nsw})", block_size=(bb, bb))
         return base.classified(any_, all_, rule, (bb, bb), sq, sk, exact=True)
 
     name = (

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import env, tuning
-from .rules import key_band, narrowable, query_band
+from .analyses import KernelRule
 
 log = logging.getLogger("cusparseattn")
 
@@ -86,7 +86,7 @@ class KernelSpec:
     head_dim: int  # the real head dim; the kernel pads it to a multiple of 16
     tiles: tuple[int, int, int]  # TILE_M, TILE_N, NWARPS
     rule_mode: str = "none"
-    rule_expr: str | None = None
+    rule: KernelRule | None = None  # for rule_mode "expr": what the kernel compiles of the layout's rule
     score: tuple[str, str] | None = None  # a score mod's C expression and its derivative
     split_rows: bool = False  # the Hopper forward: its deal splits rows (schedule.work_order), its SPLIT_ROWS
     precision: str = "high"  # float32's: PRECISIONS ("highest" is CSA_TF32X3)
@@ -98,7 +98,7 @@ class KernelSpec:
         dtype: str,
         head_dim: int,
         rule_mode: str = "none",
-        rule_expr: str | None = None,
+        rule: KernelRule | None = None,
         tiles: tuple[int, int, int] | None = None,
         max_shared: int = 227 * 1024,
         score: tuple[str, str] | None = None,
@@ -112,7 +112,7 @@ class KernelSpec:
         tiles = tiles or tuning.tile_config(
             kernel, head_dim, max_shared, score is not None, bits, itemsize=itemsize, highest=highest
         )
-        return cls(kernel, dtype, head_dim, tiles, rule_mode, rule_expr, score, split_rows, precision)
+        return cls(kernel, dtype, head_dim, tiles, rule_mode, rule, score, split_rows, precision)
 
     def __post_init__(self):
         if self.kernel not in tuning.TILES:
@@ -121,8 +121,8 @@ class KernelSpec:
             raise ValueError(f"the kernels take {sorted(DTYPES)}, got dtype {self.dtype!r}")
         if self.rule_mode not in RULE_MODES:
             raise ValueError(f"rule_mode must be one of {sorted(RULE_MODES)}, got {self.rule_mode!r}")
-        if (self.rule_mode == "expr") != (self.rule_expr is not None):
-            raise ValueError("rule_expr is given exactly when rule_mode is 'expr'")
+        if (self.rule_mode == "expr") != (self.rule is not None):
+            raise ValueError("rule is given exactly when rule_mode is 'expr'")
         if self.score is not None and (
             len(self.score) != 2 or not all(isinstance(x, str) for x in self.score)
         ):
@@ -148,9 +148,7 @@ class KernelSpec:
     def name(self) -> str:
         tm, tn, nw = self.tiles
         dt = _DTYPE_NAMES[self.dtype] + ("x3" if self.precision == "highest" else "")
-        rule = self.rule_mode
-        if self.rule_expr is not None:
-            rule += hashlib.sha1(self.rule_expr.encode()).hexdigest()[:8]
+        rule = self.rule_mode + (_digest(self.rule) if self.rule is not None else "")
         if self.score is not None:
             rule += "_score" + hashlib.sha1("\n".join(self.score).encode()).hexdigest()[:8]
         split = "_split" if self.split_rows else ""
@@ -184,8 +182,8 @@ class KernelSpec:
             f"#define SHARED_BYTES {self.shared_bytes}",
             f"#define RULE_MODE {RULE_MODES[self.rule_mode]}",
         ]
-        if self.rule_expr is not None:
-            lines += _rule_defines(self.rule_expr)
+        if self.rule is not None:
+            lines += _rule_defines(self.rule)
         lines.append(f"#define SCORE_MOD {int(self.score is not None)}")
         if self.score is not None:
             lines += [f"#define SI{i} (p.score_ip[{i}])" for i in range(8)]
@@ -257,19 +255,22 @@ def _wgmma_functions(ns: list[int], types: str) -> list[str]:
     return lines
 
 
-def _rule_defines(expr: str) -> list[str]:
-    band, qband = key_band(expr), query_band(expr)
-    first, last = band or (None, None)
-    qfirst, qlast = qband or (None, None)
+def _digest(rule: KernelRule) -> str:
+    return hashlib.sha1(repr(rule).encode()).hexdigest()[:8]
+
+
+def _rule_defines(rule: KernelRule) -> list[str]:
+    first, last = rule.key_band or (None, None)
+    qfirst, qlast = rule.query_band or (None, None)
     return [
-        f"#define RULE_NARROWABLE {int(narrowable(expr))}",
+        f"#define RULE_NARROWABLE {int(rule.narrowable)}",
         *(f"#define P{i} (static_cast<RuleInt>(p.rule_p[{i}]))" for i in range(8)),
         *(f"#define A{i} (p.rule_a[{i}])" for i in range(4)),
-        f"#define CSA_RULE(b, h, q, k) ({expr})",
-        f"#define RULE_BAND {int(band is not None)}",
+        f"#define CSA_RULE(b, h, q, k) ({rule.expr})",
+        f"#define RULE_BAND {int(rule.key_band is not None)}",
         *([f"#define CSA_RULE_FIRST(b, h, q) ({first})"] if first else []),
         *([f"#define CSA_RULE_LAST(b, h, q) ({last})"] if last else []),
-        f"#define RULE_QBAND {int(qband is not None)}",
+        f"#define RULE_QBAND {int(rule.query_band is not None)}",
         *([f"#define CSA_RULE_QFIRST(b, h, k) ({qfirst})"] if qfirst else []),
         *([f"#define CSA_RULE_QLAST(b, h, k) ({qlast})"] if qlast else []),
     ]
@@ -277,9 +278,9 @@ def _rule_defines(expr: str) -> list[str]:
 
 @dataclass(frozen=True)
 class RuleSpec:
-    """The block classification kernel of one token rule's C expression (kernels/block_mask.cu)."""
+    """The block classification kernel of one token rule (kernels/block_mask.cu)."""
 
-    rule_expr: str
+    rule: KernelRule
     kernel = "block_mask"
     shared_bytes = 0
     threads = 256
@@ -287,10 +288,10 @@ class RuleSpec:
 
     @property
     def name(self) -> str:
-        return f"block_mask_{hashlib.sha1(self.rule_expr.encode()).hexdigest()[:8]}"
+        return f"block_mask_{_digest(self.rule)}"
 
     def source(self) -> str:
-        lines = [f"// {self.name}: generated by cusparseattn.build", *_rule_defines(self.rule_expr)]
+        lines = [f"// {self.name}: generated by cusparseattn.build", *_rule_defines(self.rule)]
         return "\n".join(lines) + "\n" + _inline(self.kernel + ".cu")
 
 

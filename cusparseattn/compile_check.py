@@ -11,8 +11,13 @@ from __future__ import annotations
 import functools
 import re
 
+import numpy as np
+
 from . import build, tuning
+from .analyses import KernelRule
 from .build import HALF_DTYPES, KernelSpec, RuleSpec, SelectSpec, TablesSpec
+from .mods import mask_rule
+from .traced import CapturedArray
 
 
 def all_specs() -> list[KernelSpec | RuleSpec]:
@@ -20,7 +25,7 @@ def all_specs() -> list[KernelSpec | RuleSpec]:
     float16 without a mask, the smaller tiles that devices with less shared memory take, a score mod, the
     same in float32 at both precisions for the passes that take it (`float32_specs`), the block
     classification of a rule, the builder of dynamic layouts' tables and MoBA's gate."""
-    rules = [("none", None), ("bits", None), ("expr", "k <= q + P0")]
+    rules = [("none", None), ("bits", None), ("expr", CAUSAL_RULE)]
     specs = []
     for kernel, table in tuning.TILES.items():
         if kernel in tuning.PLAIN:
@@ -54,7 +59,7 @@ def all_specs() -> list[KernelSpec | RuleSpec]:
         for kernel in ("forward", "backward_dq", "backward_dkdv", *tuning.ARCH)
     ]
     specs += float32_specs(rules)
-    rule_specs = [RuleSpec("csa::floormod(k, P0) == 0 && A0[q] == A0[k]"), RuleSpec(TRACED_RULE)]
+    rule_specs = [RuleSpec(FLOORED_RULE), RuleSpec(TRACED_RULE)]
     selectors = [SelectSpec(dtype, 16 // build.DTYPES[dtype]) for dtype in build.DTYPES]
     return [*specs, *rule_specs, TablesSpec(), *selectors, SelectSpec("bfloat16", 1)]
 
@@ -76,8 +81,16 @@ def float32_specs(rules) -> list[KernelSpec]:
     return specs
 
 
-# The documents rule of a FlexAttention user, `(doc[q] == doc[k]) & (q >= k)`, as it traces.
-TRACED_RULE = "((((RuleInt)A0[min(q, (P0 - 1))]) == ((RuleInt)A0[min(k, (P0 - 1))])) && (q >= k))"
+def _kernel_rule(fn) -> KernelRule:
+    return mask_rule(fn).kernel
+
+
+_DOCUMENTS = CapturedArray(np.repeat(np.arange(4, dtype=np.int32), 32))
+# Causal, bottom-right aligned (a band); the documents rule of a FlexAttention user (a table clamped at its
+# length, casts to RuleInt: the kernels take it in 32-bit integers too); and Python's floor modulo.
+CAUSAL_RULE = _kernel_rule(lambda b, h, q, k, off=0: k <= q + off)
+TRACED_RULE = _kernel_rule(lambda b, h, q, k: (_DOCUMENTS[q] == _DOCUMENTS[k]) & (q >= k))
+FLOORED_RULE = _kernel_rule(lambda b, h, q, k: ((q - k) % 7 == 0) & (_DOCUMENTS[q] == _DOCUMENTS[k]))
 # A score mod of every kind of term a traced one has (a float parameter, a captured table, tanh): ALiBi
 # with soft-capping, for the compile check.
 SAMPLE_SCORE = (

@@ -479,7 +479,7 @@ def classify_blocks(
     bq, bk = block_size
     shape = (batch, heads, -(-seq_q // bq), -(-seq_k // bk))
     with cupy.cuda.Device(device):
-        function = build.load(build.RuleSpec(rule.c_expr), device)
+        function = build.load(build.RuleSpec(rule.whole), device)
         any_, all_ = cupy.empty(shape, cupy.uint8), cupy.empty(shape, cupy.uint8)
         params = np.zeros((), build.MASK_PARAMS)
         params["any"], params["all"] = any_.data.ptr, all_.data.ptr

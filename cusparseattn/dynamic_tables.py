@@ -100,7 +100,7 @@ class DynamicTables:
 
         rule = next((p.rule for p in parts if p.partial.any()), None)
         self.plan = _Geometry(tile_m, tile_n, tiles_q, tiles_k, "expr" if rule else "none", _ptr(expected))
-        self.rule_expr = rule.c_expr if rule else None
+        self.kernel_rule = rule.whole if rule else None
         self.layout_lines = (lines_batch, lines_heads)
         self.parts = (within, plus)  # held, so that the ids in its key stay theirs
 
@@ -164,7 +164,7 @@ class DynamicTables:
         base["sub_q_shift"], base["sub_k_shift"] = int(cell_q).bit_length() - 1, int(cell_k).bit_length() - 1
         base["sub_k_count"] = tile_n // cell_k
         self.rule_arrays = set_rule(base, rule)
-        base["rule_narrow"] = rule is not None and rule.narrow(max(seq_q, seq_k) + 256)
+        base["rule_narrow"] = rule is not None and rule.narrow(max(seq_q, seq_k) + 256, whole=True)
         base["q_origin"], base["k_origin"] = parts[0].origin if parts else (0, 0)
         self.params = base.tobytes()
         self.passes: dict[tuple, object] = {}

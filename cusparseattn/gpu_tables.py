@@ -38,7 +38,7 @@ class DeviceTables:
             for name in ("row_ptr", "entries", "col_ptr", "col_entries", "sub_bits", "bit_mask")
         }
         rule = layout.rule if p.rule_mode == "expr" else None
-        self.rule_expr = rule.kernel_expr if rule else None
+        self.kernel_rule = rule.kernel if rule else None
         # The parameter fields that depend on the layout alone; a launch copies this and adds its arrays.
         base = np.zeros((), build.PARAMS)
         for name, array in self.arrays.items():

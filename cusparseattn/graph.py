@@ -11,7 +11,6 @@ import types
 import numpy as np
 
 from . import tensorlike
-from .rules import TokenRule
 from .traced import (
     LIBRARIES,
     SUPPORTED,
@@ -382,6 +381,4 @@ def global_names(code: types.CodeType) -> set[str]:
 def traced_from(value):
     """The function a traced score mod (`cusparseattn.trace.ScoreMod`) or a traced rule (a TokenRule over a
     `cusparseattn.trace.TracedMask`) was traced from, or None: what a capture of one captures instead."""
-    if isinstance(value, TokenRule):
-        value = value.fn
     return getattr(value, "traced_from", None)

@@ -102,7 +102,7 @@ class Pass:
         precision="high",
     ):
         self.kernel, self.grid, self.tiles = kernel, grid, tiles
-        rule = ("none", None) if kernel in tuning.PLAIN else (tables.plan.rule_mode, tables.rule_expr)
+        rule = ("none", None) if kernel in tuning.PLAIN else (tables.plan.rule_mode, tables.kernel_rule)
         spec_args = (kernel, q.dtype, q.shape[3], tiles, *rule, score and score.spec)
         # The Hopper forward's build for split rows where its deal has some (the others keep their code).
         split_rows = kernel == "forward_sm90" and work["split_ptr"].size > 1

@@ -23,7 +23,8 @@ from typing import NamedTuple
 import numpy as np
 
 from . import flex_layouts, pictures
-from .rules import TokenRule, combined_rule, shifted_rule
+from .rule_algebra import combined_rule, shifted_rule
+from .rules import TokenRule
 
 MIN_BLOCK, MAX_BLOCK = 16, 128
 

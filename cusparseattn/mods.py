@@ -28,7 +28,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .captures import EnvironmentCache
-from .program import MASK_NAMES
+from .program import Program
 from .rules import TokenRule
 from .trace import ScoreMod, TracedMask, trace
 from .traced import CapturedArray, Expr
@@ -73,8 +73,9 @@ def mask_rule(
     own function on torch indices). Raises `cusparseattn.trace.TraceError` (a TypeError) when ``fn`` cannot
     be traced, and a ValueError when the kernels cannot take it (floats, more than 8 parameters or 4 arrays).
     Most users pass the function to `cusparseattn.patterns.from_mask` instead, which calls this. With
-    ``block_size``, for a layout of those blocks that classifies them exactly, the rule also gets what it
-    decides inside partial blocks (``c_partial``: `cusparseattn.program.Program.partial_output`).
+    ``block_size``, for a layout of those blocks that classifies them exactly, the rule's program also gets
+    what it decides inside partial blocks (its output ``"partial"``:
+    `cusparseattn.program.Program.partial_output`).
 
     >>> rule = mask_rule(sliding_window(128))
     >>> rule.c_expr, rule.params
@@ -84,14 +85,9 @@ def mask_rule(
         return fn
     program = trace(fn, "mask_mod", name).check_compilable()
     partial = None if block_size is None else program.partial_output(block_size)
-    return TokenRule(
-        program.name,
-        TracedMask(program, fn),
-        c_expr=program.c_text("value", MASK_NAMES),
-        params=program.int_params,
-        arrays=program.arrays,
-        c_partial=None if partial is None else program.c_text_of(partial, MASK_NAMES),
-    )
+    if partial is not None:
+        program = Program({"value": program.outputs["value"], "partial": partial}, "mask_mod", program.name)
+    return TokenRule(program.name, TracedMask(program, fn), program)
 
 
 def score_mod(fn: Callable, *, name: str | None = None) -> ScoreMod:

@@ -40,13 +40,13 @@ import numpy as np
 
 from . import api, arrays
 from .layout import MAX_BLOCK, MIN_BLOCK, BlockLayout
-from .rules import TokenRule
+from .mods import mask_rule
 
 MODES = ("all", "local", "strided", "fixed")
 _BLOCKSIZES = tuple(2**i for i in range(MIN_BLOCK.bit_length() - 1, MAX_BLOCK.bit_length()))
 _MASKED = -1e9  # the original's additive mask: every row keeps its diagonal, so no row is fully masked
 
-_CAUSAL = TokenRule("causal", lambda b, h, q, k: k <= q, c_expr="k <= q")
+_CAUSAL = mask_rule(lambda b, h, q, k: k <= q, name="causal")
 
 
 # ---- the caller's framework --------------------------------------------------------------------------------
@@ -362,12 +362,7 @@ def _blocksparse_layout(
         blocks = causal & (i - j <= extra)
         # Blocks 1 .. extra-1 below the diagonal lie wholly inside the band: only the two edges need the rule.
         partial = blocks & ((i == j) | (i - j == extra))
-        rule = TokenRule(
-            f"openai_local({bandwidth})",
-            lambda b, h, q, k: (k <= q) & (q - k < bandwidth),
-            c_expr="k <= q && q - k < P0",
-            params=(bandwidth,),
-        )
+        rule = mask_rule(lambda b, h, q, k: (k <= q) & (q - k < bandwidth), name=f"openai_local({bandwidth})")
     elif attn_mode == "strided":
         chunks = _check_strided(n_ctx, local_attn_ctx, blocksize) // blocksize
         blocks, partial = causal & (i // chunks == j // chunks), diagonal

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .layout import BlockLayout, check_block
+from .mods import mask_rule
 from .recent import Recent
 from .rules import TokenRule, is_torch
 
@@ -185,7 +186,7 @@ def _everything(b, h, q, k):
     return (q == q) & (k == k)
 
 
-DENSE_RULE = TokenRule("dense", _everything, c_expr="true")
+DENSE_RULE = mask_rule(_everything, name="dense")
 
 
 def dense(*, block=128) -> Pattern:

@@ -33,7 +33,7 @@ from . import pattern as base
 from .block_patterns import bigbird, deepspeed_fixed, fixed, longformer, variable
 from .mods import mask_rule
 from .pattern import Pattern, dense
-from .rules import TokenRule
+from .traced import CapturedArray
 from .user_patterns import from_blocks, from_mask, head_mix
 
 __all__ = [
@@ -158,21 +158,16 @@ def strided(stride: int, local: int | None = None, *, block=128) -> Pattern:
         single = dmin == dmax
         if lw is None:
             all_ = (dmin >= 0) & ((st == 1) | (single & (dmin % st == 0)))
-            rule = TokenRule(
-                f"strided({st})",
-                lambda b, h, q, k: (k <= q + off) & ((q + off - k) % st == 0),
-                c_expr="k <= q + P0 && (q + P0 - k) % P1 == 0",
-                params=(off, st),
+            rule = mask_rule(
+                lambda b, h, q, k: (k <= q + off) & ((q + off - k) % st == 0), name=f"strided({st})"
             )
         else:
             any_ |= (dmax >= 0) & (dmin < lw)
             past = np.maximum(dmin, lw)  # the differences the window does not cover: all must be multiples
             all_ = (dmin >= 0) & ((dmax < lw) | (st == 1) | ((past == dmax) & (dmax % st == 0)))
-            rule = TokenRule(
-                f"strided({st}, local={lw})",
+            rule = mask_rule(
                 lambda b, h, q, k: (k <= q + off) & (((q + off - k) % st == 0) | (q + off - k < lw)),
-                c_expr="k <= q + P0 && ((q + P0 - k) % P1 == 0 || q + P0 - k < P2)",
-                params=(off, st, lw),
+                name=f"strided({st}, local={lw})",
             )
         return base.classified(any_, all_, rule, bs, sq, sk, exact=True)
 
@@ -200,7 +195,7 @@ def strided_blocks(stride_blocks: int, *, block=128) -> Pattern:
         any_ = np.where(column, a1 >= k0, near_any)
         all_ = (k1 <= a0) & (column | (a1 // bb - kb < s))
         # With the offset a multiple of the block, the block term holds in the partial blocks (those that the
-        # diagonal crosses): the kernels compile the causal term alone there (c_partial).
+        # diagonal crosses): the kernels compile the causal term alone there (the program's "partial").
         rule = mask_rule(
             lambda b, h, q, k: (k <= q + off) & (((q + off) // bb - k // bb < s) | ((k // bb) % s == s - 1)),
             name=f"strided_blocks({s})",
@@ -226,7 +221,8 @@ def document(doc_ids=None, seq_lens=None, *, causal: bool = False, block=128) ->
     ids = _doc_ids(doc_ids, seq_lens)
     nb, s = ids.shape
     bs = base.block_pair(block)
-    flat = np.ascontiguousarray(ids.reshape(-1))
+    # Looked up clamped, on NumPy, torch or traced indices alike.
+    table, row = CapturedArray(ids), CapturedArray(ids[0])
 
     def build(sq, sk):
         if (sq, sk) != (s, s):
@@ -241,21 +237,17 @@ def document(doc_ids=None, seq_lens=None, *, causal: bool = False, block=128) ->
         all_ = (qf == ql)[:, :, None] & (kf == kl)[:, None, :] & (qf[:, :, None] == kf[:, None, :])
         if causal:
             any_, all_ = any_ & (k0 <= q1), all_ & (k1 <= q0)
-        row = "" if nb == 1 else "b * P0 + "  # a batch of one is shared: its ids serve every batch element
-        expr = f"A0[{row}{base.clamp('q', 'P0')}] == A0[{row}{base.clamp('k', 'P0')}]"
+        # A batch of one is shared: its ids serve every batch element.
+        if nb == 1:
 
-        def fn(b, h, q, k):
-            start = 0 if nb == 1 else b * s
-            same = base.take(flat, start + q) == base.take(flat, start + k)
-            return same & (k <= q) if causal else same
+            def fn(b, h, q, k):
+                return (row[q] == row[k]) & (k <= q) if causal else row[q] == row[k]
+        else:
 
-        rule = TokenRule(
-            f"document({'causal' if causal else 'bidirectional'})",
-            fn,
-            c_expr=f"{expr} && k <= q" if causal else expr,
-            params=(s,),
-            arrays=(flat,),
-        )
+            def fn(b, h, q, k):
+                return (table[b, q] == table[b, k]) & (k <= q) if causal else table[b, q] == table[b, k]
+
+        rule = mask_rule(fn, name=f"document({'causal' if causal else 'bidirectional'})")
         return base.classified(any_[:, None], all_[:, None], rule, bs, sq, sk, exact=True)
 
     return Pattern(f"document(batch={nb}, seq={s}, causal={bool(causal)}, block={block})", build, block=bs)

@@ -40,7 +40,7 @@ class CNames:
 
 
 # A mask's integers are the kernels' RuleInt (long long, or int where the rule's values allow:
-# rules.narrowable), a score mod's long long.
+# cusparseattn.analyses), a score mod's long long.
 MASK_NAMES = CNames("P", None, "((RuleInt)A{slot}[{index}])", None, "RuleInt", "")
 SCORE_NAMES = CNames(
     "SI",
@@ -61,6 +61,13 @@ _C_FLOAT_FUNCTIONS = {
     "abs": "fabsf", "sin": "sinf", "cos": "cosf",
 }  # fmt: skip
 _C_SHIFTS = {"lshift": "<<", "rshift": ">>"}
+# What a C text computes in 64-bit integers only (or in floats), by the node that prints it: `Program.c_form`.
+WIDE = frozenset({"csa::floordiv", "csa::floormod", "shifts", "bitwise", "float"})
+_WIDE_OPS = {
+    "lshift": "shifts", "rshift": "shifts", "and": "bitwise", "or": "bitwise", "xor": "bitwise",
+    "invert": "bitwise",
+}  # fmt: skip
+_PRINTED = ("printed",)  # the printer's memo key of what it printed (one set, shared by the memo's copies)
 
 
 class Program:
@@ -147,7 +154,39 @@ class Program:
 
     def c_text_of(self, node: Expr, names: CNames) -> str:
         """A node of this program's graph as C, its parameters and arrays in this program's slots."""
-        return self._c(node, names, {})
+        return self.c_form(node, names)[0]
+
+    def c_form(self, node: Expr, names: CNames) -> tuple[str, frozenset[str]]:
+        """`c_text_of`, and what of its text computes in 64-bit integers only (`WIDE`: ``csa::floordiv``
+        and ``floormod``, shifts, bitwise operations, floats): with none of them, the text is exact in
+        32-bit integers wherever its values fit (`cusparseattn.analyses.largest`)."""
+        printed: set[str] = set()
+        text = self._c(node, names, {_PRINTED: printed})
+        return text, frozenset(printed)
+
+    def replay(self, output: str, values: dict) -> Expr:
+        """The output rebuilt over other values of ``b, h, q, k`` (`Expr` of another trace's graph, or
+        numbers): how a trace that calls a traced rule sees it. Parameters become parameters of that graph
+        with the same values, captured arrays are indexed there."""
+        graph = next(v.graph for v in values.values() if isinstance(v, Expr))
+        memo: dict[int, Expr] = {}
+
+        def build(x: Expr) -> Expr:
+            found = memo.get(id(x))
+            if found is not None:
+                return found
+            if x.op == "var":
+                out = graph.operand(values[x.data])
+            elif x.op == "param":
+                out = graph.param(x.data.value)
+            elif x.op == "index":
+                out = graph.index(x.data.array, tuple(build(a) for a in x.args))
+            else:
+                out = graph.node(x.op, x.kind, tuple(build(a) for a in x.args), x.data)
+            memo[id(x)] = out
+            return out
+
+        return build(self.outputs[output])
 
     def partial_output(self, block_size: tuple[int, int]) -> Expr | None:
         """What a mask decides inside the partial blocks of its layout of `block_size` blocks, where that is
@@ -156,29 +195,33 @@ class Program:
         multiple of the block's side at the parameters' values (b, h, parameters and captured arrays read
         at such indices are constant too); in a partial block each such conjunct is true, or the block would
         be empty, and each such disjunct false, or the block would be full. The layout's classification of
-        blocks is exact (it evaluates the whole mask), so the kernels need only the rest there
-        (`cusparseattn.rules.TokenRule.c_partial`)."""
+        blocks is exact (it evaluates the whole mask), so the kernels need only the rest there (the
+        ``"partial"`` output of `cusparseattn.mods.mask_rule`'s program)."""
         out = self.outputs["value"]
         if out.kind != "bool" or out.op not in ("and", "or"):
             return None
-        terms, memo = _terms(out, out.op), {}
-        kept = [t for t in terms if not _per_block(t, block_size, memo)]
-        if not kept or len(kept) == len(terms):
+        parts, memo = terms(out, out.op), {}
+        kept = [t for t in parts if not _per_block(t, block_size, memo)]
+        if not kept or len(kept) == len(parts):
             return None
         joined = kept[0]
         for term in kept[1:]:
             joined = out.graph.node(out.op, "bool", (joined, term))
         return joined
 
-    def _c(self, x: Expr, names: CNames, memo: dict[int, str]) -> str:
+    def _c(self, x: Expr, names: CNames, memo: dict) -> str:
         found = memo.get(id(x))
         if found is not None:
             return found
+        if x.kind == "float" or (x.op in _WIDE_OPS and x.kind == "int"):
+            memo[_PRINTED].add(_WIDE_OPS.get(x.op, "float"))
         if x.op == "and" and x.kind == "bool":
             # Each operand's value counts only where the other one holds: the other's facts hold there (C's
             # / and % give some value elsewhere, and && drops it).
-            left, right = x.args
+            left, right = _lookups_first(x.args, memo)
             a = [self._c(left, names, _assuming(right, memo)), self._c(right, names, _assuming(left, memo))]
+        elif x.op == "or" and x.kind == "bool":
+            a = [self._c(arg, names, memo) for arg in _lookups_first(x.args, memo)]
         elif x.op == "where":  # the first choice counts only where the condition holds
             cond, first, second = x.args
             a = [self._c(cond, names, memo), self._c(first, names, _assuming(cond, memo))]
@@ -223,8 +266,10 @@ class Program:
             text = f"({a[0]} {'/' if op == 'floordiv' else '%'} {a[1]})"
         elif op == "floordiv":
             text = f"csa::floordiv({a[0]}, {a[1]})" if kind == "int" else f"floorf(({a[0]} / {a[1]}))"
+            memo[_PRINTED].add("csa::floordiv")
         elif op == "mod" and kind == "int":
             text = f"csa::floormod({a[0]}, {a[1]})"
+            memo[_PRINTED].add("csa::floormod")
         elif op == "mod":
             text = f"({a[0]} - (floorf(({a[0]} / {a[1]})) * {a[1]}))"
         elif op == "fmod":  # C's own remainder: truncated, with the sign of the dividend
@@ -365,7 +410,7 @@ def _assuming(guard: Expr, memo: dict) -> dict:
     that the guard's comparisons (its top-level ``&&`` terms, integers) bound, where none is known yet; a
     copy, so the facts stay inside that operand."""
     facts = {}
-    for term in _terms(guard, "and"):
+    for term in terms(guard, "and"):
         fact = _FACTS.get(term.op)
         if fact is None or term.args[0].kind != "int" or term.args[1].kind != "int":
             continue
@@ -376,10 +421,27 @@ def _assuming(guard: Expr, memo: dict) -> dict:
     return {**memo, **facts} if facts else memo
 
 
-def _terms(x: Expr, op: str) -> list[Expr]:
+def _lookups_first(args: tuple, memo: dict) -> tuple:
+    """The operands of ``&&`` or ``||`` with one that reads an array first: the kernels then read the arrays
+    at every element, unconditionally, so that the compiler shares a row's and a column's reads across a
+    tile's elements, where behind the other operand each element's read is its own (and held in registers:
+    a documents rule written causal term first spilled in the Hopper forward)."""
+    left, right = args
+    return (right, left) if _reads_array(right, memo) and not _reads_array(left, memo) else args
+
+
+def _reads_array(x: Expr, memo: dict) -> bool:
+    key = ("reads", id(x))
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = x.op == "index" or any(_reads_array(a, memo) for a in x.args)
+    return found
+
+
+def terms(x: Expr, op: str) -> list[Expr]:
     """The operands of a chain of boolean `op` nodes, in order."""
     if x.op == op and x.kind == "bool":
-        return [t for a in x.args for t in _terms(a, op)]
+        return [t for a in x.args for t in terms(a, op)]
     return [x]
 
 

@@ -183,9 +183,12 @@ class TracedMask:
         return self.program.variables
 
     def __call__(self, b, h, q, k):
+        values = dict(b=b, h=h, q=q, k=k)
+        if any(isinstance(x, Expr) for x in (b, h, q, k)):  # a trace of a rule that calls this one
+            return self.program.replay("value", values)
         if any(type_root(x) == "torch" for x in (b, h, q, k)):
             return self.original(b, h, q, k)
-        return self.program.evaluate("value", dict(b=b, h=h, q=q, k=k), xp=array_module(b, h, q, k))
+        return self.program.evaluate("value", values, xp=array_module(b, h, q, k))
 
 
 class UntracedMask:

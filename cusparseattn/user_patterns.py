@@ -5,7 +5,6 @@ a fixed block mask (`from_blocks`); `cusparseattn.patterns` names them with the 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -14,31 +13,34 @@ from . import pattern as base
 from .layout import BlockLayout
 from .mods import mask_rule
 from .pattern import Pattern, dense
-from .rules import MAX_ARRAYS, MAX_PARAMS, TokenRule, is_torch
+from .rules import TokenRule, is_torch
 from .trace import untraced_mask
-from .traced import NotCompilable, TraceError
+from .traced import CapturedArray, Expr, NotCompilable, TraceError
 
 
 class _HeadSelect:
-    """Head ``h`` applies ``fns[group[h]]`` (None: every pair attends), on NumPy or torch indices."""
+    """Head ``h`` applies ``fns[group[h]]`` (None: every pair attends), on NumPy, torch or traced indices."""
 
     def __init__(self, fns: list, group: np.ndarray):
-        self.fns, self.group = fns, group
+        self.fns, self.table = fns, CapturedArray(group)
 
     def __call__(self, b, h, q, k):
-        g = base.take(self.group, h)
+        traced = isinstance(h, Expr)
+        g = self.table[h]
         out = None
         for i, fn in enumerate(self.fns):
-            term = g == i
+            # A group's number is part of the rule's structure, no parameter.
+            term = g == (h.graph.literal(i, "int") if traced else i)
             if fn is not None:
                 value = fn(b, h, q, k)
-                term = term & (value if is_torch(value) else np.asarray(value, dtype=bool))
+                term = term & (value if traced or is_torch(value) else np.asarray(value, dtype=bool))
             out = term if out is None else out | term
         return out
 
 
 def _head_rule(rules: list[TokenRule | None]) -> TokenRule | None:
-    """One rule for heads with rules of their own: head ``h`` applies ``rules[h]`` (None: nothing to test)."""
+    """One rule for heads with rules of their own: head ``h`` applies ``rules[h]`` (None: nothing to test),
+    traced where every one of them is."""
     if all(r is None for r in rules):
         return None
     distinct, group = [], np.zeros(len(rules), dtype=np.int32)
@@ -46,34 +48,14 @@ def _head_rule(rules: list[TokenRule | None]) -> TokenRule | None:
         if r not in distinct:
             distinct.append(r)
         group[h] = distinct.index(r)
-    fns = [None if r is None else r.fn for r in distinct]
+    select = _HeadSelect([None if r is None else r.fn for r in distinct], group)
     name = "head_mix(" + ", ".join("-" if r is None else r.name for r in rules) + ")"
-    exprs = ["true" if r is None else r.c_expr for r in distinct]
-    params = [p for r in distinct if r is not None for p in r.params]
-    arrays = [a for r in distinct if r is not None for a in r.arrays]
-    if (
-        any(e is None for e in exprs)
-        or len(params) > MAX_PARAMS
-        or len(arrays) + (len(distinct) > 1) > MAX_ARRAYS
-    ):
-        return TokenRule(name, _HeadSelect(fns, group))
-    if len(distinct) == 1:
-        return TokenRule(
-            name, _HeadSelect(fns, group), c_expr=exprs[0], params=tuple(params), arrays=tuple(arrays)
-        )
-    shifted, np_, na = [], 0, 0
-    for r, e in zip(distinct, exprs, strict=True):
-        offs = (np_, na)
-        shifted.append(re.sub(r"\b([PA])(\d+)\b", lambda m, o=offs: f"{m[1]}{int(m[2]) + o[m[1] == 'A']}", e))
-        if r is not None:
-            np_, na = np_ + len(r.params), na + len(r.arrays)
-    sel = f"A{len(arrays)}[h]"
-    expr = f"({shifted[-1]})"
-    for g in range(len(distinct) - 2, -1, -1):
-        expr = f"{sel} == {g} ? ({shifted[g]}) : {expr}"
-    return TokenRule(
-        name, _HeadSelect(fns, group), c_expr=expr, params=tuple(params), arrays=(*arrays, group)
-    )
+    if all(r is None or r.program is not None for r in distinct):
+        try:
+            return mask_rule(select if len(distinct) > 1 else distinct[0].fn, name=name)
+        except NotCompilable:  # more parameters or arrays than the kernels take: bits
+            pass
+    return TokenRule(name, select)
 
 
 def head_mix(patterns: Sequence[Pattern | None], *, block=None) -> Pattern:

@@ -8,8 +8,8 @@
 //   precision "highest", split TF32), HEAD_DIM (padded to 16), HEAD_DIM_REAL, TILE_M (query tile), TILE_N (key tile),
 //   NWARPS, SHARED_BYTES (the dynamic shared memory it launches with), RULE_MODE (RULE_NONE / RULE_EXPR /
 //   RULE_BITS) and, for RULE_EXPR, CSA_RULE(b, h, q, k) and RULE_BAND (0/1), for 1 CSA_RULE_FIRST(b, h, q)
-//   and/or CSA_RULE_LAST(b, h, q) (rules.key_band: the rule is FIRST <= k <= LAST), and RULE_QBAND (0/1),
-//   for 1 CSA_RULE_QFIRST(b, h, k) and/or CSA_RULE_QLAST(b, h, k) (rules.query_band: QFIRST <= q <= QLAST);
+//   and/or CSA_RULE_LAST(b, h, q) (analyses.band: the rule is FIRST <= k <= LAST), and RULE_QBAND (0/1),
+//   for 1 CSA_RULE_QFIRST(b, h, k) and/or CSA_RULE_QLAST(b, h, k) (the band of q: QFIRST <= q <= QLAST);
 //   SCORE_MOD (0/1) and, for 1, CSA_SCORE(s, b, h, q, k) and its derivative in s, CSA_SCORE_GRAD(s, b, h, q, k).
 #pragma once
 

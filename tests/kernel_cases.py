@@ -150,16 +150,13 @@ BANDS = ["two_sided", "traced", "heads", "near"]
 
 
 def band_pattern(name: str, window: int):
-    """Rules that are one run of keys a query and of queries a key (rules.key_band, query_band), which the
+    """Rules that are one run of keys a query and of queries a key (`cusparseattn.analyses.band`), which the
     kernels mask partial tiles by from each row's two ends: both bounds, a traced mask function, bounds that
     move with the head, runs of 8 keys (shorter than a thread's column pairs are apart)."""
     if name == "two_sided":
         return patterns.local(window=window, causal=False, block=32)
     if name == "near":
-        near = TokenRule(
-            "near", lambda b, h, q, k: (k <= q + 5) & (q <= k + 2), c_expr="k - 5 <= q && q <= k+2"
-        )
-        return patterns.from_mask(near, block=32)
+        return patterns.from_mask(lambda b, h, q, k: (k - 5 <= q) & (q <= k + 2), block=32, name="near")
     if name == "heads":
         return patterns.from_mask(lambda b, h, q, k: (k <= q + h) & (k + window > q), heads=4, block=64)
     return patterns.from_mask(lambda b, h, q, k: (q >= k) & (q - k < window), block=64)

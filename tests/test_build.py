@@ -10,42 +10,54 @@ import numpy as np
 import pytest
 
 from cusparseattn import build, compile_check, tuning
+from cusparseattn.analyses import KernelRule
+from cusparseattn.mods import mask_rule
 
 PORTABLE = [kernel for kernel in tuning.KERNELS if kernel not in tuning.ARCH and kernel not in tuning.PLAIN]
+CAUSAL = compile_check.CAUSAL_RULE
+
+
+def _rule(fn) -> KernelRule:
+    return mask_rule(fn).kernel
 
 
 def test_spec_name_lists_every_specialisation_argument():
-    spec = build.KernelSpec.make("forward", "bfloat16", 128, "expr", "k <= q + P0")
+    spec = build.KernelSpec.make("forward", "bfloat16", 128, "expr", CAUSAL)
     tm, tn, nw = spec.tiles
     assert spec.name.startswith(f"forward_bf16_d128_q{tm}k{tn}w{nw}_expr")
-    other = build.KernelSpec.make("forward", "bfloat16", 128, "expr", "k < q + P0")
+    other = build.KernelSpec.make(
+        "forward", "bfloat16", 128, "expr", _rule(lambda b, h, q, k, off=0: k < q + off)
+    )
     assert other.name != spec.name and other != spec
 
 
 def test_rule_values_stay_out_of_the_source():
     """A new window size is a new P0 value, not new code: the source depends on the expression alone."""
-    spec = build.KernelSpec.make("forward", "float16", 64, "expr", "q - k < P0")
-    assert "#define CSA_RULE(b, h, q, k) (q - k < P0)" in spec.source()
+    spec = build.KernelSpec.make("forward", "float16", 64, "expr", _rule(lambda b, h, q, k, w=7: q - k < w))
+    assert "#define CSA_RULE(b, h, q, k) (((q - k) < P0))" in spec.source()
     assert '#include "' not in spec.source()  # the header is inlined: the source text is the whole cache key
 
 
 def test_a_band_rule_defines_its_bounds():
-    """A rule that is one run of keys a query (rules.key_band) gives its bounds, which the kernels mask a row
-    of a partial tile by, and so does one that is a run of queries a key (rules.query_band), for the
+    """A rule that is one run of keys a query (`cusparseattn.analyses.band`) gives its bounds, which the
+    kernels mask a row of a partial tile by, and so does one that is a run of queries a key, for the
     backward's tiles whose rows are keys; any other rule says it has none."""
-    two_sided = "q - k < P0 && q - k > -P0"
+    two_sided = _rule(lambda b, h, q, k, w=9: (q - k < w) & (k - q < w))
     source = build.KernelSpec.make("backward_sm90", "bfloat16", 64, "expr", two_sided).source()
     assert "#define RULE_BAND 1" in source and "#define RULE_QBAND 1" in source
-    assert "#define CSA_RULE_FIRST(b, h, q) (q - P0 + 1)" in source
-    assert "#define CSA_RULE_LAST(b, h, q) (q + P0 - 1)" in source
-    assert "#define CSA_RULE_QFIRST(b, h, k) (k - P0 + 1)" in source
-    assert "#define CSA_RULE_QLAST(b, h, k) (k + P0 - 1)" in source
-    causal = build.KernelSpec.make("forward_sm90", "bfloat16", 64, "expr", "k <= q + P0").source()
-    assert "#define CSA_RULE_LAST(b, h, q) (q + P0)" in causal and "#define CSA_RULE_FIRST" not in causal
-    assert "#define CSA_RULE_QFIRST(b, h, k) (k - P0)" in causal and "#define CSA_RULE_QLAST" not in causal
-    keys_only = build.KernelSpec.make("forward", "bfloat16", 64, "expr", "k <= q && k >= P0").source()
+    assert "#define CSA_RULE_FIRST(b, h, q) (((q - P0) + 1))" in source
+    assert "#define CSA_RULE_LAST(b, h, q) (((q + P0) - 1))" in source
+    assert "#define CSA_RULE_QFIRST(b, h, k) (((k - P0) + 1))" in source
+    assert "#define CSA_RULE_QLAST(b, h, k) (((k + P0) - 1))" in source
+    causal = _rule(lambda b, h, q, k, off=0: k <= q + off)
+    causal = build.KernelSpec.make("forward_sm90", "bfloat16", 64, "expr", causal).source()
+    assert "#define CSA_RULE_LAST(b, h, q) ((q + P0))" in causal and "#define CSA_RULE_FIRST" not in causal
+    assert "#define CSA_RULE_QFIRST(b, h, k) ((k - P0))" in causal and "#define CSA_RULE_QLAST" not in causal
+    keys_only = _rule(lambda b, h, q, k, s=3: (k <= q) & (k >= s))
+    keys_only = build.KernelSpec.make("forward", "bfloat16", 64, "expr", keys_only).source()
     assert "#define RULE_BAND 1" in keys_only and "#define RULE_QBAND 0" in keys_only
-    other = build.KernelSpec.make("forward_sm90", "bfloat16", 64, "expr", "k <= q || k < P0").source()
+    other = _rule(lambda b, h, q, k, s=3: (k <= q) | (k < s))
+    other = build.KernelSpec.make("forward_sm90", "bfloat16", 64, "expr", other).source()
     assert "#define RULE_BAND 0" in other and "#define CSA_RULE_LAST" not in other
     assert "#define RULE_QBAND 0" in other and "#define CSA_RULE_QFIRST" not in other
 
@@ -78,11 +90,11 @@ def test_score_mod_specialises_the_source_not_its_values():
 
 
 def test_bit_masks_and_score_mods_take_the_hopper_dq_pass_to_smaller_key_tiles():
-    plain = build.KernelSpec.make("backward_dq_sm90", "bfloat16", 64, "expr", "k <= q")
+    plain = build.KernelSpec.make("backward_dq_sm90", "bfloat16", 64, "expr", CAUSAL)
     bits = build.KernelSpec.make("backward_dq_sm90", "bfloat16", 64, "bits")
     assert bits.tiles[1] <= tuning.MAX_TILES["backward_dq_sm90"]["bits"][1] < plain.tiles[1]
     score = build.KernelSpec.make(
-        "backward_dq_sm90", "bfloat16", 64, "expr", "k <= q", score=compile_check.SAMPLE_SCORE
+        "backward_dq_sm90", "bfloat16", 64, "expr", CAUSAL, score=compile_check.SAMPLE_SCORE
     )
     assert score.tiles[1] <= tuning.MAX_TILES["backward_dq_sm90"]["score"][1] < plain.tiles[1]
     portable = build.KernelSpec.make("backward_dq", "bfloat16", 64, "bits")
@@ -90,9 +102,9 @@ def test_bit_masks_and_score_mods_take_the_hopper_dq_pass_to_smaller_key_tiles()
 
 
 def test_the_fused_backward_visits_64_queries_at_head_dim_64_with_a_score_mod():
-    plain = build.KernelSpec.make("backward_sm90", "bfloat16", 64, "expr", "k <= q")
+    plain = build.KernelSpec.make("backward_sm90", "bfloat16", 64, "expr", CAUSAL)
     score = build.KernelSpec.make(
-        "backward_sm90", "bfloat16", 64, "expr", "k <= q", score=compile_check.SAMPLE_SCORE
+        "backward_sm90", "bfloat16", 64, "expr", CAUSAL, score=compile_check.SAMPLE_SCORE
     )
     assert plain.tiles == (128, 128, 12) and score.tiles == (64, 128, 12)
     assert "#define KV_BUFFERS 1" in plain.prelude() and "#define KV_BUFFERS 2" in score.prelude()
@@ -169,7 +181,7 @@ def test_only_the_hopper_forward_sleeps_between_tries_of_a_barrier_wait():
     [
         ({"dtype": "float64"}, "dtype"),
         ({"rule_mode": "bogus"}, "rule_mode"),
-        ({"rule_mode": "expr"}, "rule_expr"),
+        ({"rule_mode": "expr"}, "rule is given"),
         ({"kernel": "sideways"}, "kernel"),
         ({"score": ("s",)}, "derivative"),
     ],
@@ -224,7 +236,7 @@ def test_the_compile_check_takes_every_specialisation_to_its_architectures():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 def test_one_specialisation_compiles_without_spills(capsys):
     """The path of the compile check on one spec; `.ci/run`'s nvcc-sweep step runs it on all of them."""
-    spec = build.KernelSpec.make("forward", "bfloat16", 64, "expr", "k <= q + P0")
+    spec = build.KernelSpec.make("forward", "bfloat16", 64, "expr", CAUSAL)
     failures = compile_check.check(["sm_80"], [spec])
     report = capsys.readouterr().out
     assert failures == 0, report
@@ -234,7 +246,7 @@ def test_one_specialisation_compiles_without_spills(capsys):
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 def test_the_compile_check_takes_nvrtcs_code_on_request(capsys):
     """``--nvrtc``: NVRTC's PTX through ptxas, the registers and spills of the code the run time loads."""
-    spec = build.KernelSpec.make("forward", "bfloat16", 64, "expr", "k <= q + P0")
+    spec = build.KernelSpec.make("forward", "bfloat16", 64, "expr", CAUSAL)
     failures = compile_check.check(["sm_80"], [spec], nvrtc=True)
     report = capsys.readouterr().out
     if "--nvrtc needs libnvrtc" in report:
@@ -328,9 +340,9 @@ def test_params_pack_as_one_struct():
 
 
 def test_rule_spec_source():
-    spec = build.RuleSpec("csa::floordiv(q, P0) == csa::floordiv(k, P0)")
+    spec = build.RuleSpec(_rule(lambda b, h, q, k, n=-4: q // n == k // n))
     source = spec.source()
-    assert "#define CSA_RULE(b, h, q, k) (csa::floordiv(q, P0) == csa::floordiv(k, P0))" in source
+    assert "#define CSA_RULE(b, h, q, k) ((csa::floordiv(q, P0) == csa::floordiv(k, P0)))" in source
     assert "long long floordiv" in source and '#include "' not in source
-    assert spec.name != build.RuleSpec("q >= k").name
+    assert spec.name != build.RuleSpec(_rule(lambda b, h, q, k: q >= k)).name
     assert build.MASK_PARAMS.isalignedstruct and "rule_a" in build.MASK_PARAMS.names

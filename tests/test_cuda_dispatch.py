@@ -147,7 +147,7 @@ def test_forward_packs_every_field(launches):
     cuda.forward(q, k, v, out, lse, layout, 0.125)
     ((name, grid, block, args, shared, maps),) = launches
     tiles = tuning.tile_config("forward", dim)
-    assert name == build.KernelSpec("forward", "bfloat16", dim, tiles, "expr", layout.rule.c_expr).name
+    assert name == build.KernelSpec("forward", "bfloat16", dim, tiles, "expr", layout.rule.kernel).name
     assert grid == (-(-seq // tiles[0]), 4, 2) and block == (tiles[2] * 32, 1, 1)
     assert shared == tuning.shared_bytes("forward", dim, tiles) and maps == []
     tables = gpu_tables.device_tables(layout, tiles[0], tiles[1], 0)

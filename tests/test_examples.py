@@ -257,17 +257,18 @@ def test_host_time_wraps_every_stage_and_puts_it_back():
 
 @pytest.mark.parametrize("seq", [4096, 16384])
 def test_bench_mask_spellings_reach_the_kernels_as_their_patterns(seq):
-    """bench.py's "mask" peer: each case as the mask function Flex gets gives its built-in pattern's blocks,
-    and inside partial tiles a rule the kernels take as they take the pattern's: a band of keys, in 32-bit
-    arithmetic."""
+    """bench.py's "mask" peer: each case as the mask function Flex gets (documents from a captured tensor of
+    ids) gives its built-in pattern's blocks, and inside partial tiles a rule the kernels take as they take
+    the pattern's: a band of keys where the pattern has one, in 32-bit arithmetic."""
     from cusparseattn import patterns
-    from cusparseattn.rules import key_band
 
     bench = _load(ROOT / "benchmarks" / "bench.py")
-    assert bench.token_rule("dense") is None  # Flex and the mask peer take dense without a mask
-    for case in ("causal", "local1024", "strided8"):
-        spelled = patterns.from_mask(bench.token_rule(case), block=128).layout(seq)
-        built_in = bench.pattern(case).layout(seq)
+    assert bench.token_rule("dense", seq) is None  # Flex and the mask peer take dense without a mask
+    for case in ("causal", "local1024", "strided8", "documents"):
+        spelled = patterns.from_mask(bench.token_rule(case, seq), block=128).layout(seq)
+        built_in = bench.pattern(case, seq).layout(seq)
         assert np.array_equal(spelled.blocks, built_in.blocks), case
         assert np.array_equal(spelled.partial, built_in.partial), case
-        assert key_band(spelled.rule.kernel_expr) is not None and spelled.rule.narrow(seq), case
+        mine, theirs = spelled.rule.kernel, built_in.rule.kernel
+        assert (mine.key_band is None) == (theirs.key_band is None) == (case == "documents"), case
+        assert spelled.rule.narrow(seq) and built_in.rule.narrow(seq), case

@@ -221,11 +221,9 @@ def test_both_kernels_of_a_hopper_gpu(hopper, kind, head_dim, dtype, monkeypatch
 @pytest.mark.parametrize("rule", BANDS)
 def test_the_backward_masks_a_band_by_its_bounds(rule, path, monkeypatch):
     """The backward passes mask a partial tile that the rule alone decides from each row's two ends
-    (masking.cuh's band_bits) where the rule is one run of queries a key (rules.query_band: the dK/dV passes'
+    (masking.cuh's band_bits) where the rule is one run of queries a key (analyses.band: the dK/dV passes'
     and the fused pass's rows are keys) or of keys a query (the dQ passes'): the fused Hopper pass, the two
     Hopper passes and the portable ones, on kernel_cases.band_pattern's rules; ragged lengths, GQA."""
-    from cusparseattn.rules import key_band, query_band
-
     launched = hopper_path(monkeypatch, path != "portable")
     monkeypatch.setenv("CUSPARSEATTN_FUSED_BACKWARD", "0" if path == "two_pass" else "1")
     seed = BANDS.index(rule) * 3 + ["fused", "two_pass", "portable"].index(path)
@@ -233,8 +231,8 @@ def test_the_backward_masks_a_band_by_its_bounds(rule, path, monkeypatch):
     head_dim, dtype = [64, 128][seed % 2], DTYPES[seed // 2 % 2]
     print(f"seed {seed}, D = {head_dim}, {dtype}")
     layout = band_pattern(rule, int(rng.integers(20, 300))).layout(300, 333)
-    expr = layout.rule.kernel_expr
-    assert key_band(expr) and query_band(expr) and layout.rule.narrow(333 + 256)
+    kernel = layout.rule.kernel
+    assert kernel.key_band and kernel.query_band and layout.rule.narrow(333 + 256)
     q, k, v = random_qkv(rng, 2, 4, 2, 300, 333, head_dim, np_dtype(dtype))
     assert_backward_matches(q, k, v, layout, dtype, rng)
     backward = {"fused": "backward_sm90", "two_pass": "backward_dkdv_sm90", "portable": "backward_dkdv"}[path]

@@ -231,11 +231,10 @@ def test_the_wide_hopper_forward_lets_a_row_max_lag(kind, dtype, monkeypatch):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("rule", BANDS)
 def test_the_hopper_forward_masks_a_band_by_its_bounds(rule, head_dim, wide, monkeypatch):
-    """Rules that are one run of keys a query (rules.key_band: kernel_cases.band_pattern) mask the rows of a
+    """Rules that are one run of keys a query (analyses.band: kernel_cases.band_pattern) mask the rows of a
     tile that the rule alone decides from their first and last keys (masking.cuh's hide_outside_band); key
     tiles of 128 and 192 (two words a row), ragged lengths, GQA."""
     from cusparseattn import cuda
-    from cusparseattn.rules import key_band
 
     launched = hopper_path(monkeypatch, True)
     monkeypatch.setattr(cuda, "_wide_pays", lambda *args: wide)
@@ -244,7 +243,7 @@ def test_the_hopper_forward_masks_a_band_by_its_bounds(rule, head_dim, wide, mon
     dtype = DTYPES[seed % 2]
     print(f"seed {seed}, {dtype}")
     layout = band_pattern(rule, int(rng.integers(20, 300))).layout(300, 333)
-    assert key_band(layout.rule.kernel_expr) is not None and layout.rule.narrow(333 + 256)
+    assert layout.rule.kernel.key_band is not None and layout.rule.narrow(333 + 256)
     q, k, v = random_qkv(rng, 2, 4, 2, 300, 333, head_dim, np_dtype(dtype))
     assert_matches(q, k, v, layout, dtype)
     assert launched[0] == "forward_sm90"

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from cusparseattn import block_patterns, patterns
 from cusparseattn.layout import BlockLayout
-from cusparseattn.rules import TokenRule, key_band, query_band
+from cusparseattn.rules import TokenRule
 
 BLOCKS = st.sampled_from([16, 32, 64])
 LENGTHS = st.integers(1, 300)
@@ -658,17 +658,22 @@ def test_c_expr_matches_rule(pat, sq, sk, tmp_path):
     assert np.array_equal(run_c(rule, batch, heads, sq, sk, tmp_path), want)
     if lay._exact_rule:
         assert np.array_equal(want, lay.to_dense(batch, heads))
-    if rule.c_partial is not None:
+    if partial_of(rule) is not None:
         assert_kernel_expr_holds(lay, batch, heads, tmp_path)
-    for var, band in (("k", key_band(rule.kernel_expr)), ("q", query_band(rule.kernel_expr))):
+    for var, band in (("k", rule.kernel.key_band), ("q", rule.kernel.query_band)):
         if band is not None:
             same = f"({band_expr(band, var)}) == ({rule.kernel_expr})"
             assert run_c(rule, batch, heads, sq, sk, tmp_path, expr=same).all(), var
 
 
+def partial_of(rule) -> str | None:
+    """What the kernels compile of a rule inside partial blocks where it is less than the whole rule."""
+    return rule.kernel_expr if "partial" in rule.program.outputs else None
+
+
 def band_expr(band, var: str = "k") -> str:
-    """A band of keys (rules.key_band) or of queries (`var` "q": rules.query_band) as the C expression it
-    stands for."""
+    """A band of keys or of queries (`var` "q": `cusparseattn.analyses.band`) as the C expression it stands
+    for."""
     first, last = band
     return " && ".join(
         [f"({first}) <= {var}"] * (first is not None) + [f"{var} <= ({last})"] * (last is not None)
@@ -693,12 +698,12 @@ def test_strided_blocks_kernels_compile_the_causal_term_when_aligned(tmp_path):
     """Aligned, the partial blocks are the diagonal's, and the kernels skip the block term's divisions; its
     windows (context parallelism) keep the cheap expression, shifted."""
     lay = patterns.strided_blocks(3, block=16).layout(96, 128)
-    assert lay.rule.c_partial == "(k <= (q + P0))"
+    assert partial_of(lay.rule) == "(k <= (q + P0))"
     assert_kernel_expr_holds(lay, 1, 1, tmp_path)
     window = lay.window(32, 96, 16, 128)
-    assert window.rule.c_partial is not None
+    assert partial_of(window.rule) is not None
     assert_kernel_expr_holds(window, 1, 1, tmp_path)
-    assert patterns.strided_blocks(3, block=16).layout(100, 120).rule.c_partial is None
+    assert partial_of(patterns.strided_blocks(3, block=16).layout(100, 120).rule) is None
 
 
 # ---- what a mask function decides inside partial blocks -------------------------------------------------
@@ -714,13 +719,13 @@ def test_a_users_strided_rule_gets_the_built_in_patterns_partial_rule():
     lay = patterns.from_mask(_users_strided, block=128).layout(4096)
     built_in = patterns.strided_blocks(8).layout(4096)
     assert np.array_equal(lay.blocks, built_in.blocks) and np.array_equal(lay.partial, built_in.partial)
-    assert lay.rule.c_partial == "(q >= k)" and lay.rule.kernel_expr == "(q >= k)"
-    assert key_band(lay.rule.kernel_expr) == (None, "q") and lay.rule.narrow(4096)
+    assert partial_of(lay.rule) == "(q >= k)"
+    assert lay.rule.kernel.key_band == (None, "q") and lay.rule.narrow(4096)
     # At blocks of 32, 128 is still a multiple of the side; 96 at blocks of 64 is not: q // 96 changes inside
     # a block, and the whole rule decides there.
-    assert patterns.from_mask(_users_strided, block=32).layout(1024).rule.c_partial == "(q >= k)"
+    assert partial_of(patterns.from_mask(_users_strided, block=32).layout(1024).rule) == "(q >= k)"
     odd = patterns.from_mask(lambda b, h, q, k: (q >= k) & ((q // 96) - (k // 96) < 8), block=64)
-    assert odd.layout(1024).rule.c_partial is None
+    assert partial_of(odd.layout(1024).rule) is None
 
 
 PARTIAL_RULES = {
@@ -740,8 +745,8 @@ PARTIAL_RULES = {
     seq=st.integers(100, 500),
 )
 def test_the_partial_rule_is_the_whole_rule_inside_partial_blocks(name, block, multiple, seq):
-    """Every token of every partial block: the rule the kernels compile there (`c_partial`: the traced
-    program without its per-block terms) gives the whole rule's answer."""
+    """Every token of every partial block: the rule the kernels compile there (the program's "partial"
+    output: the traced program without its per-block terms) gives the whole rule's answer."""
     from cusparseattn.program import MASK_NAMES, Program
 
     fn = PARTIAL_RULES[name](block * multiple)
@@ -749,9 +754,9 @@ def test_the_partial_rule_is_the_whole_rule_inside_partial_blocks(name, block, m
     program = lay.rule.fn.program
     partial = program.partial_output((block, block))
     if name == "all per block":
-        assert partial is None and lay.rule.c_partial is None and not lay.partial.any()
+        assert partial is None and partial_of(lay.rule) is None and not lay.partial.any()
         return
-    assert partial is not None and lay.rule.c_partial == program.c_text_of(partial, MASK_NAMES)
+    assert partial is not None and partial_of(lay.rule) == program.c_text_of(partial, MASK_NAMES)
     assume(lay.partial.any())
     kept = Program({"value": partial}, "mask_mod", "partial")
     for _, h, i, j in zip(*np.nonzero(lay.partial), strict=True):

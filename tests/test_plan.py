@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cusparseattn import BlockLayout, TokenRule, patterns, plan
+from cusparseattn.mods import mask_rule
 
 
 def visits(p: plan.TilePlan, line: int, by: str):
@@ -87,8 +88,10 @@ def test_random_layouts_survive_tiling(seq_q, seq_k, block, tiles, with_rule, se
         layout = BlockLayout(blocks, block_size=block, seq_q=seq_q, seq_k=seq_k)
     else:
         # A rule that is not True inside full blocks: the plan must apply it only in partial cells.
-        expr = "(q + 2 * k + h) % 3 != 0" if with_rule == "expr" else None
-        rule = TokenRule("mod3", lambda b, h, q, k: (q + 2 * k + h) % 3 != 0, c_expr=expr)
+        def mod3(b, h, q, k):
+            return (q + 2 * k + h) % 3 != 0
+
+        rule = mask_rule(mod3) if with_rule == "expr" else TokenRule("mod3", mod3)
         partial = blocks & (rng.random(blocks.shape) < 0.5)
         layout = BlockLayout(blocks, block_size=block, seq_q=seq_q, seq_k=seq_k, partial=partial, rule=rule)
     if plan.tile_cells(*tiles, layout.block_size) > plan.MAX_CELLS:  # 192 x 128 over 16 x 16 blocks: 96

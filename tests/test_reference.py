@@ -14,12 +14,13 @@ from hypothesis import strategies as st
 
 from cusparseattn import reference
 from cusparseattn.layout import BlockLayout
+from cusparseattn.mods import mask_rule
 from cusparseattn.rules import TokenRule
 from cusparseattn.testing import backward_refs, check_close, forward_refs, random_qkv
 
 RULES = {
     "mod3": TokenRule("mod3", lambda b, h, q, k: (q + k) % 3 != 0),
-    "causal": TokenRule("causal", lambda b, h, q, k: k <= q, c_expr="k <= q"),
+    "causal": mask_rule(lambda b, h, q, k: k <= q, name="causal"),
     # depends on the absolute batch and query-head indices, so the mask differs per batch element and head
     "by_head": TokenRule("by_head", lambda b, h, q, k: (q + 2 * k + b + h) % 4 != 0),
 }

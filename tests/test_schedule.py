@@ -10,7 +10,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cusparseattn import BlockLayout, TokenRule, patterns, plan, schedule
+from cusparseattn import BlockLayout, patterns, plan, schedule
+from cusparseattn.mods import mask_rule
 
 
 @settings(max_examples=30, deadline=None)
@@ -436,7 +437,7 @@ def test_deals_match_the_greedy_one_job_at_a_time(
     else:
         blocks = rng.random((lb, lh, tiles_q, keys)) < density
     partial = blocks & (rng.random(blocks.shape) < 0.3)
-    rule = TokenRule("mod3", lambda b, h, q, k: (q + 2 * k) % 3 != 0, c_expr="(q + 2 * k) % 3 != 0")
+    rule = mask_rule(lambda b, h, q, k: (q + 2 * k) % 3 != 0, name="mod3")
     layout = BlockLayout(
         blocks, block_size=64, seq_q=64 * tiles_q, seq_k=64 * keys, partial=partial, rule=rule
     )

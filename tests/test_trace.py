@@ -23,8 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cusparseattn import mods, patterns, trace
-from cusparseattn.program import MASK_NAMES, SCORE_NAMES
-from cusparseattn.rules import narrowable
+from cusparseattn.program import MASK_NAMES, SCORE_NAMES, WIDE
 from cusparseattn.traced import NotCompilable, TraceError
 
 _TABLES = np.random.default_rng(7)
@@ -231,19 +230,6 @@ def test_grad_simplifies():
 
 
 # ---- C: host execution and device compilation --------------------------------------------------------------
-class RuleProgram:
-    """A layout's rule seen as a program: its NumPy function evaluates it (rules that the layout algebra
-    made from traced ones: joined C expressions, shifted batch and head indices)."""
-
-    outputs = {"value": None}
-
-    def __init__(self, rule):
-        self.rule = rule
-
-    def evaluate(self, output, env, dtype=None):
-        return self.rule(*(env[n] for n in "bhqk"))
-
-
 def layout_algebra_rules() -> dict:
     ids2 = np.stack([np.repeat([0, 1, 2], [20, 30, 20]), np.repeat([0, 2, 3], [10, 10, 50])])
     documents = patterns.from_mask(mods.document_mask(ids2), block=16, batch=2).layout(70)
@@ -256,13 +242,18 @@ def layout_algebra_rules() -> dict:
     }
 
 
+def narrowable(program, output="value") -> bool:
+    """Whether the C text of a program's output is exact in 32-bit integers where its values fit."""
+    return not program.c_form(program.outputs[output], MASK_NAMES)[1] & WIDE
+
+
 @dataclass
 class CCase:
     """One C expression set (value, and grad for score mods) with its parameter and array values."""
 
     label: str
     role: str
-    program: trace.Program | RuleProgram
+    program: trace.Program
     texts: tuple[str, ...]
     ints: tuple[int, ...]
     floats: tuple[float, ...]
@@ -311,9 +302,7 @@ def c_cases() -> tuple[CCase, ...]:
         cases.append(CCase(label, "mask_mod", rule.fn.program, (rule.c_expr,), rule.params, (), rule.arrays))
     for label, rule in layout_algebra_rules().items():
         assert rule.c_expr is not None, label
-        cases.append(
-            CCase(label, "mask_mod", RuleProgram(rule), (rule.c_expr,), rule.params, (), rule.arrays)
-        )
+        cases.append(CCase(label, "mask_mod", rule.program, (rule.c_expr,), rule.params, (), rule.arrays))
     for label, fn in ready_made_scores().items():
         sm = mods.score_mod(fn)
         texts = (sm.c_expr, sm.c_grad)
@@ -435,7 +424,9 @@ def device_source(cases) -> str:
     for i, case in enumerate(cases):
         body = " ".join(f"out[{j} * 256 + n] = (float)({t});" for j, t in enumerate(case.texts))
         # A mask in long long, and in int where the kernels take it so (RuleInt); a score mod in long long.
-        narrow = case.role == "mask_mod" and all(narrowable(t) for t in case.texts)
+        narrow = case.role == "mask_mod" and all(
+            narrowable(case.program, out) for out in case.program.outputs
+        )
         types = ("int", "long long") if narrow else ("long long",)
         lines += [
             f"template <typename RuleInt> __global__ void case{i}({args}) {{",
@@ -672,14 +663,15 @@ def test_division_of_values_known_non_negative_is_cs_own():
     ``/`` and ``%``, which agree with floor's there and keep the rule narrowable to 32 bits; where a sign is
     unknown (a difference, a negative parameter) they stay floor's ``csa::floordiv`` / ``csa::floormod``. A
     divisor known > 0 is spelled as a literal (a multiply and a shift, not a division at every element)."""
-    from cusparseattn.rules import narrowable
 
     def c(fn):
         return trace.trace(fn, "mask_mod").c_text("value", MASK_NAMES)
 
     assert c(lambda b, h, q, k: q // 64 >= k // 64) == "((q / 64) >= (k / 64))"
     assert c(lambda b, h, q, k: (q + 3) % 8 < (k % 8) + h) == "(((q + P0) % 8) < ((k % 8) + h))"
-    assert narrowable(c(lambda b, h, q, k: (q // 128 - k // 128 < 8) | (k // 128 % 8 == 7)))
+    assert narrowable(
+        trace.trace(lambda b, h, q, k: (q // 128 - k // 128 < 8) | (k // 128 % 8 == 7), "mask_mod")
+    )
     assert c(lambda b, h, q, k: (q - k) // 4 == 0) == "(csa::floordiv((q - k), 4) == P0)"
     assert c(lambda b, h, q, k: q // -4 == k) == "(csa::floordiv(q, P0) == k)"
     assert c(lambda b, h, q, k: (q - k) % 4 == 0) == "(csa::floormod((q - k), 4) == P0)"
@@ -691,13 +683,14 @@ def test_a_comparison_anded_with_a_division_bounds_its_sign():
     """In ``a & b`` each operand counts only where the other holds, so a comparison there bounds a difference:
     ``(q - k) % d`` beside ``k <= q`` is C's ``%`` (a dilated causal window, narrowable to 32 bits). Beside
     ``|``, or outside the ``&``, nothing is known."""
-    from cusparseattn.rules import narrowable
 
     def c(fn):
         return trace.trace(fn, "mask_mod").c_text("value", MASK_NAMES)
 
-    dilated = c(lambda b, h, q, k: ((q - k) % 3 == 0) & (k <= q))
-    assert dilated == "((((q - k) % 3) == P0) && (k <= q))" and narrowable(dilated)
+    dilated = lambda b, h, q, k: ((q - k) % 3 == 0) & (k <= q)  # noqa: E731
+    assert c(dilated) == "((((q - k) % 3) == P0) && (k <= q))" and narrowable(
+        trace.trace(dilated, "mask_mod")
+    )
     assert (
         c(lambda b, h, q, k: (k < q) & ((q - k - 1) // 2 == 0))
         == "((k < q) && (csa::floordiv(((q - k) - P0), 2) == P1))"
@@ -711,14 +704,13 @@ def test_a_comparison_anded_with_a_division_bounds_its_sign():
 def test_a_where_choice_counts_only_where_its_condition_holds():
     """``torch.where(q >= n, (q - n) // 8, q // 8)`` (block diffusion's halves): the first choice is evaluated
     only where ``q >= n``, so its division is C's (narrowable); the second choice knows nothing more."""
-    from cusparseattn.rules import narrowable
-
     n = 40
-    text = trace.trace(
+    program = trace.trace(
         lambda b, h, q, k: torch.where(q >= n, (q - n) // 8, (q - n) // 8 + 9) == k, "mask_mod"
-    ).c_text("value", MASK_NAMES)
+    )
+    text = program.c_text("value", MASK_NAMES)
     assert text == "(((q >= P0) ? ((q - P0) / 8) : (csa::floordiv((q - P0), 8) + P1)) == k)", text
-    assert not narrowable(text)
+    assert not narrowable(program)
 
 
 def test_flexattention_rules_narrow_to_32_bits_as_the_builtin_patterns():
@@ -734,5 +726,5 @@ def test_flexattention_rules_narrow_to_32_bits_as_the_builtin_patterns():
     for name, fn in rules.items():
         rule = patterns.from_mask(fn, block=128).layout(4096).rule
         assert "long long" not in rule.kernel_expr and "LL" not in rule.kernel_expr, name
-        assert rule.narrow(4096 + 256) and not rule.narrow(1 << 30), name
+        assert rule.narrow(4096 + 256) and not rule.narrow(1 << 31), name
     assert patterns.document(np.repeat(np.arange(4), 1024)).layout(4096).rule.narrow(4096 + 256)
