@@ -366,8 +366,10 @@ def run_cases(seqs, dims, cases, backward: bool, results, names=PEERS, repeats: 
             )
             for case in cases:
                 # GQA cases take the first of the heads as their own leaves.
-                kv = [x[:, : GQA[case]].detach().clone().requires_grad_(backward) for x in (k, v)]
-                row = measure_case(case, q, *(kv if case in GQA else (k, v)), backward, names, repeats)
+                kv = (k, v)
+                if case in GQA:
+                    kv = [x[:, : GQA[case]].detach().clone().requires_grad_(backward) for x in kv]
+                row = measure_case(case, q, *kv, backward, names, repeats)
                 row["dtype"] = str(dtype).removeprefix("torch.")
                 results["cases"].append(row)
                 parts = []
