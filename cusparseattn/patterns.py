@@ -221,8 +221,19 @@ def document(doc_ids=None, seq_lens=None, *, causal: bool = False, block=128) ->
     ids = _doc_ids(doc_ids, seq_lens)
     nb, s = ids.shape
     bs = base.block_pair(block)
-    # Looked up clamped, on NumPy, torch or traced indices alike.
+    # Looked up clamped, on NumPy, torch or traced indices alike; a batch of one is shared: its ids serve
+    # every batch element.
     table, row = CapturedArray(ids), CapturedArray(ids[0])
+    if nb == 1:
+
+        def fn(b, h, q, k):
+            return (row[q] == row[k]) & (k <= q) if causal else row[q] == row[k]
+    else:
+
+        def fn(b, h, q, k):
+            return (table[b, q] == table[b, k]) & (k <= q) if causal else table[b, q] == table[b, k]
+
+    rule = mask_rule(fn, name=f"document({'causal' if causal else 'bidirectional'})")
 
     def build(sq, sk):
         if (sq, sk) != (s, s):
@@ -237,17 +248,6 @@ def document(doc_ids=None, seq_lens=None, *, causal: bool = False, block=128) ->
         all_ = (qf == ql)[:, :, None] & (kf == kl)[:, None, :] & (qf[:, :, None] == kf[:, None, :])
         if causal:
             any_, all_ = any_ & (k0 <= q1), all_ & (k1 <= q0)
-        # A batch of one is shared: its ids serve every batch element.
-        if nb == 1:
-
-            def fn(b, h, q, k):
-                return (row[q] == row[k]) & (k <= q) if causal else row[q] == row[k]
-        else:
-
-            def fn(b, h, q, k):
-                return (table[b, q] == table[b, k]) & (k <= q) if causal else table[b, q] == table[b, k]
-
-        rule = mask_rule(fn, name=f"document({'causal' if causal else 'bidirectional'})")
         return base.classified(any_[:, None], all_[:, None], rule, bs, sq, sk, exact=True)
 
     return Pattern(f"document(batch={nb}, seq={s}, causal={bool(causal)}, block={block})", build, block=bs)

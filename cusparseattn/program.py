@@ -266,7 +266,7 @@ class Program:
             text = f"({a[0]} {'/' if op == 'floordiv' else '%'} {a[1]})"
         elif op == "floordiv":
             text = f"csa::floordiv({a[0]}, {a[1]})" if kind == "int" else f"floorf(({a[0]} / {a[1]}))"
-            memo[_PRINTED].add("csa::floordiv")
+            memo[_PRINTED].add("csa::floordiv" if kind == "int" else "float")
         elif op == "mod" and kind == "int":
             text = f"csa::floormod({a[0]}, {a[1]})"
             memo[_PRINTED].add("csa::floormod")

@@ -55,9 +55,14 @@ class TokenRule:
     @cached_property
     def kernel(self) -> KernelRule | None:
         """What the attention kernels compile inside the partial blocks of the rule's layouts, or None."""
-        if self.program is None or "partial" not in self.program.outputs:
-            return self.whole
-        return analyses.kernel_rule(self.program, "partial")
+        if self.program is None:
+            return None
+        output = self._output(whole=False)
+        return self.whole if output == "value" else analyses.kernel_rule(self.program, output)
+
+    def _output(self, whole: bool) -> str:
+        """The program's output that `whole` (True) or `kernel` (False) compiles."""
+        return "value" if whole or "partial" not in self.program.outputs else "partial"
 
     @property
     def c_expr(self) -> str | None:
@@ -84,7 +89,7 @@ class TokenRule:
         rule = self.whole if whole else self.kernel
         if rule is None or not rule.narrowable:
             return False
-        node = self.program.outputs["value" if whole or "partial" not in self.program.outputs else "partial"]
+        node = self.program.outputs[self._output(whole)]
         bands = [x for var in "kq" for x in analyses.band(node, var) or ()]
         return analyses.largest(node, positions, tuple(bands)) < 2**31
 
