@@ -40,7 +40,7 @@ STAGES = [
     ("backends", "_CudaForward.run"),
     ("backends", "_CudaBackward.run"),
     ("devices", "hopper_reasons"),
-    ("cuda", "_tiled_tables"),
+    ("cuda", "_tables"),
     ("launches", "Bound.launch"),
     ("launches", "launch_kernel"),
 ]

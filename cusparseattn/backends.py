@@ -122,6 +122,10 @@ class Backend:
         not depend on the arrays' values or addresses done now, or None (the default)."""
         return None
 
+    def prefetch_backward(self, inputs: Inputs) -> None:
+        """Starts, beside the forward's preparation, what this backend can of the backward of ``inputs``
+        (the first call of a training step, whose backward is sure to follow); nothing by default."""
+
     def __repr__(self) -> str:
         return f"<backend {self.name!r}>"
 
@@ -299,6 +303,13 @@ class CudaBackend(Backend):
 
     def prepare_forward(self, inputs):
         return _CudaForward(self._passes("Forward", inputs))
+
+    def prefetch_backward(self, inputs):
+        # The kernels' compiles, on background threads, while the forward's compiles.
+        if not self.not_supported_reasons(inputs, "backward"):
+            module = self._module()
+            args = (inputs.q, inputs.k, inputs.v, inputs.layout, inputs.score_mod, inputs.precision)
+            module.prefetch_backward(*args)
 
     def prepare_backward(self, inputs):
         # The outputs it makes are C-contiguous: only the arrays it is handed are bound as they are.

@@ -20,7 +20,9 @@ import functools
 import hashlib
 import logging
 import re
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -394,9 +396,55 @@ def nvrtc_options(arch: str | None = None) -> tuple[str, ...]:
     return opts + (("-lineinfo",) if env.lineinfo() else ())
 
 
-@functools.cache
 def load(spec: KernelSpec | RuleSpec | TablesSpec | SelectSpec, device: int):
-    """The compiled kernel of `spec` for one device (compiled once per process; CuPy caches it on disk)."""
+    """The compiled kernel of `spec` for one device (compiled once per process, or by a `prefetch` that this
+    waits for; CuPy caches it on disk)."""
+    return _loading(spec, device, background=False).result()
+
+
+def prefetch(spec: KernelSpec, device: int) -> None:
+    """Starts compiling `spec` for a device on a background thread unless it is loaded or loading, so that
+    a later `load` of it waits for that compile instead of starting its own: for kernels a caller will
+    surely need after the one it compiles now (a training step's backward, beside its forward). NVRTC
+    releases the GIL while it compiles."""
+    _loading(spec, device, background=True)
+
+
+# (spec, device) -> the Future of its compiled kernel: done, or being compiled by a thread.
+_loads: dict[tuple, Future] = {}
+_loads_lock = threading.Lock()
+
+
+@functools.cache
+def _compilers() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=4, thread_name_prefix="cusparseattn-compile")
+
+
+def _loading(spec, device: int, background: bool) -> Future:
+    key = (spec, device)
+    with _loads_lock:
+        future = _loads.get(key)
+        mine = future is None
+        if mine:
+            future = _loads[key] = Future()
+    if mine:
+        if background:
+            _compilers().submit(_compile_into, future, key)
+        else:
+            _compile_into(future, key)
+    return future
+
+
+def _compile_into(future: Future, key: tuple) -> None:
+    try:
+        future.set_result(_compile(*key))
+    except BaseException as err:
+        with _loads_lock:  # a failed compile is not kept: the next load tries again, and raises there
+            del _loads[key]
+        future.set_exception(err)
+
+
+def _compile(spec, device: int):
     import cupy
 
     source = spec.source()

@@ -16,31 +16,34 @@ import numpy as np
 from . import build, devices, dynamic_tables, env, plan, schedule, tuning
 from .arrays import contiguous_strides
 from .dynamic import DynamicLayout
-from .gpu_tables import device_tables, per_object, score_tables, set_rule
-from .launches import ARRAYS, Bound, bind_device, cupy_stream, make_pass, pool_scratch, run_launches, scratch
+from .gpu_tables import device_tables, per_object, score_spec, score_tables, set_rule
+from .launches import (
+    ARRAYS,
+    Bound,
+    bind_device,
+    cupy_stream,
+    kernel_spec_args,
+    make_pass,
+    pool_scratch,
+    prefetch,
+    run_launches,
+    scratch,
+)
 from .layout import BlockLayout
 
 
-def _tiled_tables(
-    kernel: str,
-    layout: BlockLayout,
-    head_dim: int,
-    device: int,
-    score,
-    tiles=None,
-    wide=False,
-    dtype=None,
-    precision="high",
-    sizes=None,
-):
-    """(tables, tiles) of `kernel` over `layout`; a dynamic layout's for a call of `sizes` (`_sizes`)."""
-    dynamic = isinstance(layout, DynamicLayout)
-    bits, itemsize = not dynamic and plan.rule_mode(layout) == "bits", build.DTYPES.get(dtype, 2)
-    choice = (score is not None, bits, wide, itemsize, precision == "highest")
-    tiles = tiles or tuning.tile_config(kernel, head_dim, devices.max_shared(device), *choice)
-    if dynamic:
-        return dynamic_tables.tables(layout, sizes, tiles[0], tiles[1], device), tiles
-    return device_tables(layout, tiles[0], tiles[1], device), tiles
+def _tiles(kernel: str, layout, head_dim: int, device: int, score, wide=False, dtype=None, precision="high"):
+    """The tiles of `kernel` over `layout` (`tuning.tile_config`); `score`: whether a score mod is given."""
+    bits = not isinstance(layout, DynamicLayout) and plan.rule_mode(layout) == "bits"
+    choice = (score is not None, bits, wide, build.DTYPES.get(dtype, 2), precision == "highest")
+    return tuning.tile_config(kernel, head_dim, devices.max_shared(device), *choice)
+
+
+def _tables(layout, tiles, device: int, sizes):
+    """The tables of `layout` for tiles of `tiles`; a dynamic layout's for a call of `sizes` (`_sizes`)."""
+    if isinstance(layout, DynamicLayout):
+        return dynamic_tables.tables(layout, sizes, tiles[0], tiles[1], device)
+    return device_tables(layout, tiles[0], tiles[1], device)
 
 
 def _sizes(q, k) -> tuple[int, int, int, int, int]:
@@ -189,9 +192,8 @@ class Forward:
             score = score_tables(score_mod, device)
             dynamic = isinstance(layout, DynamicLayout)
             wide = not dynamic and _wide_pays(kernel, layout, q.shape[3], batch, heads_q, device, score)
-            tables, tiles = _tiled_tables(
-                kernel, layout, q.shape[3], device, score, tiles, wide, q.dtype, precision, _sizes(q, k)
-            )
+            tiles = tiles or _tiles(kernel, layout, q.shape[3], device, score, wide, q.dtype, precision)
+            tables = _tables(layout, tiles, device, _sizes(q, k))
             # A dynamic layout's tables are filled at each run from its arrays (`run`'s layout).
             self.dynamic = tables if dynamic else None
             rows, work, splits = {}, None, 0
@@ -316,6 +318,36 @@ def backward(
     )
 
 
+def _backward_kernels(layout, q, device: int, score, hopper: bool, fused: bool, precision: str) -> list:
+    """(kernel, tiles) of each pass of a backward over `layout` for arrays described as `q`, in launch order:
+    the fused backward's statistics, fused and dQ-rounding passes (`fused_backward`), or the dQ then the
+    dK/dV pass (Hopper's where `hopper`). `score`: whether a score mod is given."""
+    head_dim = q.shape[3]
+    if fused:
+        tiles = _tiles("backward_sm90", layout, head_dim, device, score)
+        edges = tuning.edge_tiles(tiles)
+        return [("backward_stats", edges), ("backward_sm90", tiles), ("backward_dq_convert", edges)]
+    suffix = "_sm90" if hopper else ""
+    kernels = ("backward_dq" + suffix, "backward_dkdv" + suffix)
+    return [(n, _tiles(n, layout, head_dim, device, score, False, q.dtype, precision)) for n in kernels]
+
+
+def prefetch_backward(q, k, v, layout: BlockLayout, score_mod=None, precision: str = "high") -> None:
+    """Starts compiling, on background threads (`build.prefetch`), the kernels that `Backward` takes for
+    arrays described as these and a dout laid out as q, over a static layout: a training step's first
+    forward calls it before it compiles its own kernel, so that its backward finds them built."""
+    if isinstance(layout, DynamicLayout):
+        return
+    device, head_dim = q.device[1], q.shape[3]
+    precision = precision if q.dtype == "float32" else "high"
+    hopper = not devices.hopper_reasons(q, k, v)
+    fused = hopper and fused_backward(head_dim, device, q.dtype)
+    score = score_spec(score_mod)
+    rule = plan.kernel_rule(layout)
+    for kernel, tiles in _backward_kernels(layout, q, device, score, hopper, fused, precision):
+        prefetch(device, *kernel_spec_args(kernel, q, tiles, rule, score, precision=precision))
+
+
 class Backward:
     """The backward's passes (dQ, then dK/dV; or the fused backward's three, `fused_backward`) for arrays
     described as `q`, `k` and `v` and the optional others are (those not given: C-contiguous, shaped as q
@@ -367,28 +399,19 @@ class Backward:
             bind_device(self.device)
             score = score_tables(score_mod, self.device)
             passes = self._fused if fused else self._two_passes
+            kernels = _backward_kernels(layout, q, self.device, score, self.hopper, fused, self.precision)
             self._tables = []  # a dynamic layout's, filled at each run
-            self._passes = passes(q, k, layout, score, scale)
+            self._passes = passes(q, k, layout, score, scale, kernels)
         # The passes bound to each dout layout, by dout's strides: `Pass.bind` keeps them too, but its key
         # (every array's strides) costs more to build than a launch on the prepared path may spend.
         self._bound: dict[tuple, tuple[Bound, ...]] = {}
 
-    def _two_passes(self, q, k, layout: BlockLayout, score, scale: float) -> list:
+    def _two_passes(self, q, k, layout: BlockLayout, score, scale: float, kernels: list) -> list:
         """The dQ pass (which writes the statistics), then the dK/dV pass: (pass, TMA rows) each."""
         batch, heads_q, _, head_dim = q.shape
-        suffix = "_sm90" if self.hopper else ""
         passes = []
-        for kernel in ("backward_dq" + suffix, "backward_dkdv" + suffix):
-            tables, tiles = _tiled_tables(
-                kernel,
-                layout,
-                head_dim,
-                self.device,
-                score,
-                dtype=q.dtype,
-                precision=self.precision,
-                sizes=_sizes(q, k),
-            )
+        for kernel, tiles in kernels:
+            tables = _tables(layout, tiles, self.device, _sizes(q, k))
             if self.dynamic and tables not in self._tables:
                 self._tables.append(tables)
             if kernel.startswith("backward_dq"):
@@ -402,15 +425,14 @@ class Backward:
             passes.append((made, rows))
         return passes
 
-    def _fused(self, q, k, layout: BlockLayout, score, scale: float) -> list:
+    def _fused(self, q, k, layout: BlockLayout, score, scale: float, kernels: list) -> list:
         """The fused backward's passes: the statistics (and zeroed counters), the persistent pass over the
         key tiles' columns, the rounding of dQ. Under CUSPARSEATTN_DETERMINISTIC=0 the statistics pass zeroes
         the dQ sums too, and the fused pass adds its parts in as they come."""
-        batch, heads_q, _, head_dim = q.shape
+        batch, heads_q = q.shape[:2]
         unordered = not env.deterministic()
-        tables, tiles = _tiled_tables(
-            "backward_sm90", layout, head_dim, self.device, score, sizes=_sizes(q, k)
-        )
+        (stats, edges), (kernel, tiles), (convert, _) = kernels
+        tables = _tables(layout, tiles, self.device, _sizes(q, k))
         if self.dynamic:
             self._tables.append(tables)
         items = batch * k.shape[1] * tables.plan.tiles_k
@@ -421,16 +443,14 @@ class Backward:
         rows = _tma_rows(tiles, _BACKWARD_MAPS) | dict.fromkeys(("dk", "dv"), 64)
 
         def plain(kernel: str, grid) -> tuple:
-            edges = tuning.edge_tiles(tiles)
             return make_pass(kernel, grid, tables, None, scale, edges, q=q, k=k, unordered=unordered), {}
 
-        fused = make_pass(
-            "backward_sm90", (ctas, 1, 1), tables, score, scale, tiles, columns, q=q, k=k, unordered=unordered
-        )
+        grid = (ctas, 1, 1)
+        fused = make_pass(kernel, grid, tables, score, scale, tiles, columns, q=q, k=k, unordered=unordered)
         return [
-            plain("backward_stats", (self.stats_shape[3] // tiles[0], heads_q, batch)),
+            plain(stats, (self.stats_shape[3] // tiles[0], heads_q, batch)),
             (fused, rows),
-            plain("backward_dq_convert", (tables.plan.tiles_q, heads_q, batch)),
+            plain(convert, (tables.plan.tiles_q, heads_q, batch)),
         ]
 
     def accepts(self, dout) -> bool:

@@ -125,7 +125,7 @@ class ScoreTables:
     def __init__(self, score_mod):
         import cupy
 
-        self.spec = (score_mod.c_expr, score_mod.c_grad)
+        self.spec = score_spec(score_mod)
         self.arrays = [cupy.asarray(np.ascontiguousarray(a)) for a in score_mod.arrays]
         ip, fp = score_mod.int_params, score_mod.float_params
         fields = np.zeros((), build.PARAMS)
@@ -133,6 +133,11 @@ class ScoreTables:
         fields["score_fp"] = fp + (0.0,) * (8 - len(fp))
         fields["score_a"] = [a.data.ptr for a in self.arrays] + [0] * (4 - len(self.arrays))
         self.fields = fields.tobytes()[SCORE]
+
+
+def score_spec(score_mod) -> tuple | None:
+    """What the kernels compile of a score mod (build.KernelSpec's score): its C texts; None without one."""
+    return None if score_mod is None else (score_mod.c_expr, score_mod.c_grad)
 
 
 def score_tables(score_mod, device: int) -> ScoreTables | None:

@@ -80,6 +80,22 @@ def loaded_kernel(device: int, *spec_args):
     return build.load(spec, device), (spec.threads, 1, 1), spec.shared_bytes
 
 
+def kernel_spec_args(
+    kernel: str, q, tiles, rule: tuple, score_spec, split_rows=False, precision="high"
+) -> tuple:
+    """build.KernelSpec's arguments for a pass of `kernel` over arrays described as `q`: `rule` is the
+    layout's (mode, kernel rule: `plan.kernel_rule`); a `tuning.PLAIN` kernel is built without it and the
+    score mod's C texts (`score_spec`)."""
+    if kernel in tuning.PLAIN:
+        rule, score_spec = ("none", None), None
+    return (kernel, q.dtype, q.shape[3], tiles, *rule, score_spec, split_rows, precision)
+
+
+def prefetch(device: int, *spec_args) -> None:
+    """Starts compiling build.KernelSpec(*spec_args) for a device in the background (`build.prefetch`)."""
+    build.prefetch(build.KernelSpec(*spec_args), device)
+
+
 class Pass:
     """One kernel's launches for one call's sizes: the kernel, its geometry and the parameters that do not
     change from call to call (tables, sizes, scale, schedule) packed ahead. `work`: a persistent pass's
@@ -102,11 +118,11 @@ class Pass:
         precision="high",
     ):
         self.kernel, self.grid, self.tiles = kernel, grid, tiles
-        rule = ("none", None) if kernel in tuning.PLAIN else (tables.plan.rule_mode, tables.kernel_rule)
-        spec_args = (kernel, q.dtype, q.shape[3], tiles, *rule, score and score.spec)
         # The Hopper forward's build for split rows where its deal has some (the others keep their code).
         split_rows = kernel == "forward_sm90" and work["split_ptr"].size > 1
-        self.function, self.block, self.shared = loaded_kernel(q.device[1], *spec_args, split_rows, precision)
+        rule = (tables.plan.rule_mode, tables.kernel_rule)
+        spec_args = kernel_spec_args(kernel, q, tiles, rule, score and score.spec, split_rows, precision)
+        self.function, self.block, self.shared = loaded_kernel(q.device[1], *spec_args)
         # The device arrays that the parameters point to live as long as this pass.
         self.arrays = (tables, score, work)
         buffer = bytearray(tables.params)

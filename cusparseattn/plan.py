@@ -52,6 +52,12 @@ def rule_mode(layout: BlockLayout) -> str:
     return "expr" if layout.rule.c_expr is not None else "bits"
 
 
+def kernel_rule(layout: BlockLayout) -> tuple:
+    """(rule mode, the rule's `analyses.KernelRule` where the kernels evaluate it, else None)."""
+    mode = rule_mode(layout)
+    return mode, layout.rule.kernel if mode == "expr" else None
+
+
 def _fine(mask: np.ndarray, rep_q: int, rep_k: int, rows: int, cols: int) -> np.ndarray:
     """Blocks repeated onto a grid of cells no larger than a tile, cut to `rows` x `cols` cells."""
     return mask.repeat(rep_q, axis=2).repeat(rep_k, axis=3)[:, :, :rows, :cols]

@@ -139,7 +139,7 @@ def forward(q, k, v, layout=None, *, causal=False, scale=None, backend=None, sco
         chosen = backends.select(inputs, "forward", backend)
         if backend is not None and backward:
             backends.select(inputs, "backward", backend)
-        return ForwardPlan(inputs, chosen, backend, held=(layout, score_mod))
+        return ForwardPlan(inputs, chosen, backend, held=(layout, score_mod), backward=backward)
 
     if key is None:
         _count()
@@ -196,13 +196,16 @@ class ForwardPlan:
     """A forward's plan: the layout, scale and score mod its call resolved, the backend chosen and what that
     backend prepared (with a `_Launch` over raw addresses where it has one). `run` takes arrays of the
     plan's signature; `backward_plan` makes the backward's, once, at the first forward that autograd
-    records."""
+    records. `backward`: autograd will run the backward, whose preparation the backend may start beside the
+    forward's (`backends.Backend.prefetch_backward`)."""
 
-    def __init__(self, inputs: Inputs, chosen: backends.Backend, backend, held: tuple):
+    def __init__(self, inputs: Inputs, chosen: backends.Backend, backend, held: tuple, backward=False):
         self.layout, self.scale, self.score_mod = inputs.layout, inputs.scale, inputs.score_mod
         self.chosen, self.backend, self.held = chosen, backend, held
         self.framework = inputs.framework
         self._kinds = tuple(_kind(h) for h in (inputs.q, inputs.k, inputs.v))
+        if backward:
+            chosen.prefetch_backward(inputs)
         self._prepared = chosen.prepare_forward(inputs)
         self._launch = _Launch.of(self._prepared and self._prepared.direct(), self.framework)
         self._backward = None

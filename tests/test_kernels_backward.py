@@ -46,11 +46,15 @@ def assert_backward_matches(q, k, v, layout, dtype, rng, scale=None, precision="
     # 2^-11 ("high": the float16-rounded reference's inputs round alike in dP and delta, so it cancels),
     # 2.4e-3 seen on standard-normal inputs at head dim 96; split TF32's 2^-21 ("highest": the low halves'
     # product is dropped), 1.2e-5 at head dim 256.
+    # That is a row's error; a key's dK sums it over the query rows of its group, with signs that vary from
+    # row to row: its slack grows as the root of their count (8.5e-3 seen over 147 rows at head dim 32).
     atol = {"high": 8e-3, "highest": 4e-5}[precision] if dtype == "float32" else None
+    rows = q.shape[2] * (q.shape[1] // k.shape[1])
+    atols = {"dq": atol, "dk": atol and atol * math.sqrt(rows), "dv": atol}
     ref64, low = backward_refs(dout, q, k, v, layout, scale=scale, low=bound)
     for name, got, want, want_low in zip(("dq", "dk", "dv"), (dq, dk, dv), ref64, low, strict=True):
         assert got.dtype == q.dtype, name
-        check_close(name, got, want, want_low, dtype=bound or dtype, atol=atol)
+        check_close(name, got, want, want_low, dtype=bound or dtype, atol=atols[name])
     # The dQ pass's statistics of the kernel's own out and lse: delta = rowsum(dout * out) and lse * log2(e),
     # +inf for rows that attend to nothing.
     seq_q = q.shape[2]

@@ -115,8 +115,8 @@ def test_builtin_rules_compile_as_expressions(name, dtype, narrow, monkeypatch):
     }[name]
     layout = pattern.layout(seq)
     assert plan.rule_mode(layout) == "expr", layout.rule
-    # A batch of documents indexes its ids by b * P0 + q: a product, which stays 64-bit.
-    assert layout.rule.narrow(seq + 256) == (narrow and name != "document")
+    # A batch of documents indexes its ids by b * length + q: a product, bounded by analyses.largest.
+    assert layout.rule.narrow(seq + 256) == narrow
     q, k, v = random_qkv(rng, 2, 2, 1, seq, seq, 64, np_dtype(dtype))
     assert_matches(q, k, v, layout, dtype)
 

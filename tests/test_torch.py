@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import math
+import time
 import warnings
 import weakref
 
@@ -602,6 +603,37 @@ def test_cuda_backward_is_prepared_in_the_forward(cuda_only, monkeypatch, hook):
         want = cusparseattn.attention_backward(dout, q, k, v, out, lse, layout)
     for t, w in zip((q, k, v), want, strict=True):
         torch.testing.assert_close(t.grad, w, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_training_steps_first_forward_starts_its_backwards_compiles(cuda_only, monkeypatch, head_dim):
+    """The first forward of a training step with an unseen rule starts compiling the backward's kernels in
+    the background (`build.prefetch`) before its own: every backward kernel that the step compiled is one
+    that the forward prefetched, and the gradients match the reference."""
+    from cusparseattn import build
+
+    prefetched, prefetch = [], build.prefetch
+
+    def recorded(spec, device):
+        prefetched.append(spec.name)
+        prefetch(spec, device)
+
+    monkeypatch.setattr(build, "prefetch", recorded)
+    salt = time.time_ns() % 100000 + 3  # a literal of the rule's C text: no kernel cache holds it
+    layout = patterns.from_mask(lambda b, h, q, k: (k <= q) & (q % salt < salt), block=64)
+    rng = np.random.default_rng(11)
+    host = random_qkv(rng, 1, 2, 2, 256, 256, head_dim, np_dtype("bfloat16"))
+    dout = rng.standard_normal(host[0].shape).astype(host[0].dtype)
+    q, k, v = (to_device(x).requires_grad_() for x in host)
+    before = set(build.COMPILE_TIMES)
+    out = ca_torch.attention(q, k, v, layout)
+    out.backward(to_device(dout))
+    compiled = {n for n in set(build.COMPILE_TIMES) - before if n.startswith("backward")}
+    assert compiled and compiled <= set(prefetched), (compiled, prefetched)
+    ref64, low = backward_refs(dout, *host, layout.layout(256))
+    for name, t, want, want_low in zip(("dq", "dk", "dv"), (q, k, v), ref64, low, strict=True):
+        check_close(name, to_host(t.grad), want, want_low, dtype="bfloat16")
 
 
 @pytest.mark.gpu
