@@ -13,6 +13,7 @@ import re
 import shlex
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -110,7 +111,16 @@ def test_torchrun_block_runs_its_command(block, tmp_path):
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", *command[1:-1], str(script)]
     env = {**_env(), "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
+    if done.returncode and GLOO_ABORT in done.stderr:
+        # A rank's gloo threads abort now and then as the process ends, inside this suite only (2 of 4 full
+        # runs on 2026-12-07, none of 55 runs of the block alone): said, and run once more.
+        warnings.warn(f"{block.line}: a rank aborted in gloo's teardown; running it again", stacklevel=1)
+        done = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# What a rank prints when gloo's threads meet std::terminate (SIGABRT).
+GLOO_ABORT = "terminate called without an active exception"
 
 
 def _env() -> dict[str, str]:
