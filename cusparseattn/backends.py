@@ -305,7 +305,7 @@ class CudaBackend(Backend):
         return _CudaForward(self._passes("Forward", inputs))
 
     def prefetch_backward(self, inputs):
-        # The kernels' compiles, on background threads, while the forward's compiles.
+        # The backward's kernels compile on background threads while the forward's kernel compiles.
         if not self.not_supported_reasons(inputs, "backward"):
             module = self._module()
             args = (inputs.q, inputs.k, inputs.v, inputs.layout, inputs.score_mod, inputs.precision)

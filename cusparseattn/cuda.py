@@ -46,6 +46,11 @@ def _tables(layout, tiles, device: int, sizes):
     return device_tables(layout, tiles[0], tiles[1], device)
 
 
+def _precision(precision: str, dtype: str) -> str:
+    """The precision a pass of `dtype` takes: float32's as asked (`build.PRECISIONS`), else "high"."""
+    return precision if dtype == "float32" else "high"
+
+
 def _sizes(q, k) -> tuple[int, int, int, int, int]:
     """What a dynamic layout's tables depend on of a call: batch, query heads, KV heads, lengths."""
     return q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2]
@@ -181,7 +186,7 @@ class Forward:
     ):
         import cupy
 
-        precision = precision if q.dtype == "float32" else "high"
+        precision = _precision(precision, q.dtype)
 
         batch, heads_q = q.shape[:2]
         self.device = device = q.device[1]
@@ -318,6 +323,15 @@ def backward(
     )
 
 
+def _backward_path(q, k, v, dout=None, dk=None, dv=None) -> tuple[bool, bool]:
+    """(Hopper passes, fused) of a backward for arrays described as these (those not given: C-contiguous)."""
+    hopper = not devices.hopper_reasons(q, k, v, dout)
+    # The fused pass writes dK and dV through TMA too: given ones it cannot write take the two passes.
+    written = (("dk", dk), ("dv", dv))
+    writable = not any(devices.tma_reasons(name, t) for name, t in written if t is not None)
+    return hopper, hopper and writable and fused_backward(q.shape[3], q.device[1], q.dtype)
+
+
 def _backward_kernels(layout, q, device: int, score, hopper: bool, fused: bool, precision: str) -> list:
     """(kernel, tiles) of each pass of a backward over `layout` for arrays described as `q`, in launch order:
     the fused backward's statistics, fused and dQ-rounding passes (`fused_backward`), or the dQ then the
@@ -338,10 +352,8 @@ def prefetch_backward(q, k, v, layout: BlockLayout, score_mod=None, precision: s
     forward calls it before it compiles its own kernel, so that its backward finds them built."""
     if isinstance(layout, DynamicLayout):
         return
-    device, head_dim = q.device[1], q.shape[3]
-    precision = precision if q.dtype == "float32" else "high"
-    hopper = not devices.hopper_reasons(q, k, v)
-    fused = hopper and fused_backward(head_dim, device, q.dtype)
+    device, precision = q.device[1], _precision(precision, q.dtype)
+    hopper, fused = _backward_path(q, k, v)
     score = score_spec(score_mod)
     rule = plan.kernel_rule(layout)
     for kernel, tiles in _backward_kernels(layout, q, device, score, hopper, fused, precision):
@@ -366,9 +378,8 @@ class Backward:
     ):
         import cupy
 
-        head_dim = q.shape[3]
         self.shape, self.dtype, self.device = q.shape, q.dtype, q.device[1]
-        self.precision = precision if q.dtype == "float32" else "high"
+        self.precision = _precision(precision, q.dtype)
         self.stats_shape = stats_shape(q.shape, self.device, q.dtype)
         stats = arrays.get("stats")
         if stats is not None and tuple(stats.shape) != self.stats_shape:
@@ -379,12 +390,8 @@ class Backward:
                 f"{tuple(stats.shape)} (CUSPARSEATTN_FUSED_BACKWARD changes the rows: set it before making "
                 "the scratch)"
             )
-        self.hopper = not devices.hopper_reasons(q, k, v, arrays.get("dout"))
-        # The fused pass writes dK and dV through TMA too: given ones it cannot write take the two passes.
-        written = (("dk", arrays.get("dk")), ("dv", arrays.get("dv")))
-        writable = not any(devices.tma_reasons(name, t) for name, t in written if t is not None)
+        self.hopper, fused = _backward_path(q, k, v, arrays.get("dout"), arrays.get("dk"), arrays.get("dv"))
         self.dynamic = isinstance(layout, DynamicLayout)
-        fused = self.hopper and writable and fused_backward(head_dim, self.device, q.dtype)
         made = {name: _Like(q.shape, q.dtype) for name in ("out", "dout", "dq")}
         made |= {name: _Like(k.shape, k.dtype) for name in ("dk", "dv")}
         made |= {"lse": _Like(q.shape[:3], "float32"), "stats": _Like(self.stats_shape, "float32")}
