@@ -11,7 +11,7 @@ that PyTorch, JAX, CuPy and NumPy arrays go in and come back in their own framew
 (1, 2, 256, 64)
 """
 
-from . import backends, dynamic, mods, patterns, reference, selectors, torch_backends, trace
+from . import backends, dynamic, mods, native_backends, patterns, reference, selectors, torch_backends, trace
 from .api import attention, attention_backward, attention_forward
 from .dynamic import DynamicLayout
 from .layout import BlockLayout
@@ -33,6 +33,7 @@ __all__ = [
     "backends",
     "dynamic",
     "mods",
+    "native_backends",
     "patterns",
     "reference",
     "selectors",

@@ -1,15 +1,17 @@
 """The compile check: every specialisation the kernels can be built as, compiled with nvcc for the given
 architectures, failing on an error or a register spill. A step of ``.ci/run`` where nvcc is installed (no
-GPU needed)::
+GPU needed), against a record of the full sweep that it compiles only the changes to (`check`)::
 
     python -m cusparseattn.compile_check --check sm_80 sm_90
     python -m cusparseattn.compile_check --check sm_80 sm_90 --nvrtc   # NVRTC's code, as the run time's
+    python -m cusparseattn.compile_check --check sm_80 sm_90 --record .ci/compile_record.txt [--update]
 """
 
 from __future__ import annotations
 
 import functools
 import re
+from typing import NamedTuple
 
 import numpy as np
 
@@ -167,13 +169,84 @@ def compile_targets(archs: list[str], specs=None) -> dict[KernelSpec | RuleSpec,
     }
 
 
-def check(archs: list[str], specs=None, *, nvrtc: bool = False) -> int:
+class Job(NamedTuple):
+    """One compile of the check: a spec for one architecture, and the key of its result in a record."""
+
+    spec: KernelSpec | RuleSpec
+    arch: str
+    key: str
+
+    @property
+    def family(self) -> tuple[str, str]:
+        """The pass and architecture: a record's entries are sampled one per family."""
+        return getattr(self.spec, "kernel", type(self.spec).__name__), self.arch
+
+
+def jobs(archs: list[str], specs=None, compiler: str = "") -> list[Job]:
+    """Every (spec, arch) that `check` compiles, keyed by the hash of the compiler's version and options and
+    the spec's whole source (its headers inlined): a job of the same key compiles to the same code."""
+    import hashlib
+
+    made = []
+    for spec, arches in compile_targets(archs, specs).items():
+        source = spec.source()
+        for arch in arches:
+            digest = hashlib.sha256(f"{compiler}\n{arch}\n{source}".encode()).hexdigest()
+            made.append(Job(spec, arch, digest[:20]))
+    return made
+
+
+def read_record(path) -> dict[str, int]:
+    """A record's registers by job key (an absent file is an empty record)."""
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.exists():
+        return {}
+    lines = [line.split() for line in path.read_text().splitlines() if line and not line.startswith("#")]
+    return {key: int(registers) for key, _arch, _name, registers in lines}
+
+
+def write_record(path, results: dict[Job, int], command: str, compiler: str) -> None:
+    """Writes the registers of every job of a passing full sweep, one line a job: key, arch, name."""
+    from pathlib import Path
+
+    head = [
+        "# The compile check's record: each specialisation that compiled without a spill, by the hash of its",
+        f"# source and compiler ({compiler}). Remade by:",
+        f"# {command}",
+    ]
+    body = sorted(f"{j.key} {j.arch} {j.spec.name} {r}" for j, r in results.items())
+    Path(path).write_text("\n".join(head + body) + "\n")
+
+
+def plan(all_jobs: list[Job], record: dict[str, int], rng) -> tuple[list[Job], set[Job]]:
+    """The jobs a check with a record compiles: every job the record does not hold, and of those it holds
+    one per family (`Job.family`) drawn by ``rng``, whose registers must be the record's. Returns (jobs to
+    compile in `all_jobs`' order, the drawn ones)."""
+    known: dict[tuple[str, str], list[Job]] = {}
+    for job in all_jobs:
+        if job.key in record:
+            known.setdefault(job.family, []).append(job)
+    drawn = {rng.choice(family) for family in known.values()}
+    return [j for j in all_jobs if j.key not in record or j in drawn], drawn
+
+
+def check(
+    archs: list[str], specs=None, *, nvrtc: bool = False, record=None, update: bool = False, seed=None
+) -> int:
     """Compile every spec (or those of ``specs``) for each arch, failing on an error, a register spill or
     warpgroup MMAs that ptxas serialized; returns the number that failed. nvcc compiles, and where libnvrtc
-    is installed NVRTC's front end takes the source as the run time does; with ``nvrtc``, NVRTC's PTX goes
+    is installed NVRTC's front end takes every source as the run time does; with ``nvrtc``, NVRTC's PTX goes
     to ptxas, as at run time: its registers and spills, which can differ from nvcc's. Needs nvcc's toolkit,
-    no GPU."""
+    no GPU.
+
+    With ``record`` (a file `write_record` wrote), only what the record does not hold compiles, and one job
+    per family of those it does, drawn with ``seed`` (printed), whose registers must match it: a source or
+    compiler that changed compiles again, an unchanged one as recorded. With ``update`` every job compiles
+    and a passing check rewrites the record."""
     import os
+    import random
     import shutil
     import subprocess
     import tempfile
@@ -191,53 +264,94 @@ def check(archs: list[str], specs=None, *, nvrtc: bool = False) -> int:
         return 1
     source = "NVRTC's PTX" if nvrtc else "nvcc"
     print(f"nvcc: {nvcc}; NVRTC: {include or 'not installed, skipped'}; registers of {source}")
+    version = subprocess.run([ptxas if nvrtc else nvcc, "--version"], capture_output=True, text=True)
+    options = " ".join(build.nvrtc_options()) if nvrtc else NVCC_OPTIONS
+    compiler = f"{source} {(version.stdout.split() or ['?'])[-1]} {options}"
+    all_jobs = jobs(archs, specs, compiler)
+    recorded = {} if record is None or update else read_record(record)
+    seed = random.SystemRandom().randrange(2**32) if seed is None else seed
+    to_compile, drawn = plan(all_jobs, recorded, random.Random(seed))
 
-    def compile_one(tmp: str, spec: KernelSpec | RuleSpec, arch: str, last: bool) -> tuple[str, list[str]]:
+    def front_end(spec: KernelSpec | RuleSpec) -> tuple[str, list[str]]:
+        # NVRTC's front end is the same for every arch: once per spec.
+        try:
+            virtual = compile_targets(archs, [spec])[spec][-1].replace("sm_", "compute_")
+            nvrtc_compile(lib, spec.source(), virtual, include, syntax_only=True)
+        except RuntimeError as err:
+            return f"FAIL NVRTC {spec.name}", [f"NVRTC: {err}"]
+        return "", []
+
+    def compile_one(tmp: str, job: Job) -> tuple[str, list[str], int | None]:
+        spec, arch = job.spec, job.arch
         src = Path(tmp) / f"{spec.name}_{arch}.cu"
-        problems = []
-        # Beside nvcc, NVRTC's front end is the same for every arch: once per spec.
-        if nvrtc or (lib is not None and last):
-            try:
-                virtual = arch.replace("sm_", "compute_")
-                ptx = nvrtc_compile(lib, spec.source(), virtual, include, syntax_only=not nvrtc)
-            except RuntimeError as err:
-                problems.append(f"NVRTC: {err}")
         if nvrtc:
-            if problems:
-                return f"FAIL {arch} {spec.name}", problems
+            try:
+                ptx = nvrtc_compile(lib, spec.source(), arch.replace("sm_", "compute_"), include)
+            except RuntimeError as err:
+                return f"FAIL {arch} {spec.name}", [f"NVRTC: {err}"], None
             src = src.with_suffix(".ptx")
             src.write_text(ptx)
             cmd = [ptxas, f"-arch={arch}", "-v", str(src)]
         else:
             src.write_text(spec.source())
-            # -ftz=true as CuPy gives NVRTC at run time.
-            cmd = [nvcc, "-cubin", f"-arch={arch}", "-std=c++17", "-ftz=true", "-Xptxas", "-v", str(src)]
+            cmd = [nvcc, "-cubin", f"-arch={arch}", *NVCC_OPTIONS.split(), str(src)]
         res = subprocess.run([*cmd, "-o", os.devnull], capture_output=True, text=True)
         regs = re.search(r"Used (\d+) registers", res.stderr)
+        registers = int(regs.group(1)) if regs else None
         spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", res.stderr)]
-        problems += [res.stderr] if res.returncode else []
+        problems = [res.stderr] if res.returncode else []
         if any(spills):
             problems.append(f"register spills {spills}")
         # ptxas waits for each warpgroup MMA where the code around one would read its registers in flight.
         problems += re.findall(r"\(C75\d\d\).*", res.stderr)
-        line = (
-            f"{'FAIL' if problems else 'ok':4} {arch} {spec.name}: {regs.group(1) if regs else '?'} registers"
-        )
-        return line, problems
+        if job in drawn and registers != recorded[job.key]:
+            problems.append(f"{registers} registers where the record says {recorded[job.key]}")
+        line = f"{'FAIL' if problems else 'ok':4} {arch} {spec.name}: {registers or '?'} registers"
+        return line, problems, registers
 
-    failures = 0
+    failures, results = 0, {}
     with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(os.cpu_count() or 2) as pool:
-        jobs = [
-            pool.submit(compile_one, tmp, spec, arch, arch == arches[-1])
-            for spec, arches in compile_targets(archs, specs).items()
-            for arch in arches
-        ]
-        for job in jobs:
-            line, problems = job.result()
+        checks = (
+            []
+            if nvrtc or lib is None
+            else [pool.submit(front_end, s) for s in dict.fromkeys(j.spec for j in all_jobs)]
+        )
+        compiles = {job: pool.submit(compile_one, tmp, job) for job in to_compile}
+        for future in checks:
+            line, problems = future.result()
+            failures += bool(problems)
+            if problems:
+                print("\n".join([line, *problems]))
+        for job, future in compiles.items():
+            line, problems, results[job] = future.result()
             failures += bool(problems)
             print("\n".join([line, *problems]))
-    print(f"{len(jobs) - failures} of {len(jobs)} compiled for {', '.join(archs)}: {failures} failed")
+    where = ", ".join(archs)
+    if record is None or update:
+        print(f"{len(to_compile) - failures} of {len(to_compile)} compiled for {where}: {failures} failed")
+    else:
+        new = len(to_compile) - len(drawn)
+        print(
+            f"{len(to_compile)} of {len(all_jobs)} compiled for {where}: {new} not in {record}, {len(drawn)}"
+            f" drawn from it (seed {seed}), the other {len(all_jobs) - len(to_compile)} as it records;"
+            f" every source through NVRTC's front end; {failures} failed"
+        )
+        if new:
+            print(f"{new} jobs are not in the record: --update records them")
+    if update and not failures:
+        write_record(
+            record,
+            results,
+            f"python -m cusparseattn.compile_check --check {' '.join(archs)}"
+            f"{' --nvrtc' * nvrtc} --record {record} --update",
+            compiler,
+        )
+        print(f"recorded {len(results)} jobs in {record}")
     return failures
+
+
+# nvcc's options besides the architecture: -ftz=true as CuPy gives NVRTC at run time.
+NVCC_OPTIONS = "-std=c++17 -ftz=true -Xptxas -v"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,8 +362,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--nvrtc", action="store_true", help="registers and spills of NVRTC's code (run time's)"
     )
+    parser.add_argument("--record", metavar="FILE", help="compile only what this record does not hold")
+    parser.add_argument("--update", action="store_true", help="compile everything and rewrite --record")
+    parser.add_argument("--seed", type=int, help="the seed of the jobs drawn from the record")
     args = parser.parse_args(argv)
-    return 1 if check(args.check, nvrtc=args.nvrtc) else 0
+    if args.update and args.record is None:
+        parser.error("--update needs --record FILE")
+    failures = check(args.check, nvrtc=args.nvrtc, record=args.record, update=args.update, seed=args.seed)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

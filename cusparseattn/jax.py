@@ -37,7 +37,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from . import backends, call, plans
+from . import backends, call, native_backends, plans
 from .arrays import NumpyTensor, XlaBuffer, cupy_stream, wrap
 from .call import Inputs
 from .dynamic import DynamicLayout
@@ -147,7 +147,7 @@ def run(inputs: Inputs, op: str, backend: str | None, indices=()) -> tuple:
         )
     # The reference runs in place on XLA's buffers where it can (on the CPU, and on a GPU in CuPy), else on
     # host copies.
-    on_gpu = backends.reference_on_gpu(inputs)
+    on_gpu = native_backends.reference_on_gpu(inputs)
     if buffer_callback is not None and (on_gpu or not inputs.on_gpu):
         in_place = _ReferenceOnGpu if on_gpu else _ReferenceInPlace
         call = in_place(op, inputs.layout, inputs.scale, inputs.score_mod, q.dtype)

@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 
 import cusparseattn
-from cusparseattn import backends, call, devices, mods, reference
+from cusparseattn import backends, call, devices, mods, native_backends, reference
 from cusparseattn.arrays import NumpyTensor
 from cusparseattn.backends import (
     Backend,
     Inputs,
-    ReferenceBackend,
     activate_backend,
     current_backend,
     list_backends,
@@ -27,6 +26,7 @@ from cusparseattn.backends import (
     use_backends,
     why_not,
 )
+from cusparseattn.native_backends import ReferenceBackend
 
 Q = np.random.default_rng(0).standard_normal((1, 2, 40, 16)).astype(np.float32)
 DEFAULT = ["cuda", "reference", "flex", "sdpa"]
@@ -520,8 +520,8 @@ def device_inputs(dtype=np.float32, **extra):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_float32_and_float64_gpu_inputs_run_the_reference_on_the_gpu(monkeypatch, dtype):
     monkeypatch.setattr(devices, "available", lambda: ["no CUDA GPU is visible"])
-    monkeypatch.setattr(backends, "_has_cupy", lambda: True)
-    monkeypatch.setattr(backends, "cupy_stream", lambda holder: contextlib.nullcontext())
+    monkeypatch.setattr(native_backends, "_has_cupy", lambda: True)
+    monkeypatch.setattr(native_backends, "cupy_stream", lambda holder: contextlib.nullcontext())
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no copy to the host: nothing to warn about
         chosen = select(device_inputs(dtype), "forward")
@@ -543,9 +543,9 @@ def test_float32_and_float64_gpu_inputs_run_the_reference_on_the_gpu(monkeypatch
 def test_gpu_inputs_go_to_host_copies_without_cupy_or_in_half_precision(monkeypatch):
     monkeypatch.setattr(devices, "available", lambda: ["no CUDA GPU is visible"])
     reference_backend = backends.BACKENDS["reference"]
-    monkeypatch.setattr(backends, "_has_cupy", lambda: True)
+    monkeypatch.setattr(native_backends, "_has_cupy", lambda: True)
     assert reference_backend.runs_on(gpu_inputs()) == "NumPy, on the host, copied from cuda:0 and back"
-    monkeypatch.setattr(backends, "_has_cupy", lambda: False)
+    monkeypatch.setattr(native_backends, "_has_cupy", lambda: False)
     f32 = Inputs(*(OnGpu(Q, name) for name in "qkv"), gpu_inputs().layout, gpu_inputs().scale)
     assert reference_backend.runs_on(f32) == "NumPy, on the host, copied from cuda:0 and back"
     with pytest.warns(RuntimeWarning, match="running the NumPy reference on the host because cuda: "):

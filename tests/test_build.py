@@ -233,14 +233,58 @@ def test_the_compile_check_takes_every_specialisation_to_its_architectures():
     )
 
 
+def test_a_jobs_key_is_its_source_compiler_and_architecture():
+    """A record holds a job by the hash of what decides its code: the same spec, compiler and arch give the
+    same key in any process, and a change of any of them another."""
+    specs = [build.KernelSpec.make("forward", "bfloat16", 64, "expr", CAUSAL), build.RuleSpec(CAUSAL)]
+    first = compile_check.jobs(["sm_80", "sm_90"], specs, "nvcc 1")
+    assert [(j.spec, j.arch) for j in first] == [(s, a) for s in specs for a in ("sm_80", "sm_90")]
+    assert first == compile_check.jobs(["sm_80", "sm_90"], specs, "nvcc 1")
+    keys = {j.key for j in first} | {j.key for j in compile_check.jobs(["sm_80", "sm_90"], specs, "nvcc 2")}
+    assert len(keys) == 2 * len(first)
+
+
+def test_a_record_compiles_what_it_lacks_and_checks_one_drawn_job_a_family(tmp_path):
+    """With a record, the check compiles every job whose key the record lacks, and of the jobs it holds one
+    per pass and architecture, whose registers must be the record's; the record reads back what it wrote."""
+    import random
+
+    specs = [
+        build.KernelSpec.make("forward", dtype, d, "expr", CAUSAL)
+        for dtype in build.HALF_DTYPES
+        for d in (64, 128)
+    ] + [build.KernelSpec.make("backward_dq", "bfloat16", 64)]
+    all_jobs = compile_check.jobs(["sm_80", "sm_90"], specs, "nvcc test")
+    held = {job: 100 + i for i, job in enumerate(all_jobs) if job.spec.head_dim == 64}
+    path = tmp_path / "record.txt"
+    compile_check.write_record(path, held, "the test", "nvcc test")
+    record = compile_check.read_record(path)
+    assert record == {job.key: registers for job, registers in held.items()}
+    for seed in range(5):
+        to_compile, drawn = compile_check.plan(all_jobs, record, random.Random(seed))
+        assert {j for j in all_jobs if j.key not in record} == set(to_compile) - drawn
+        assert sorted(j.family for j in drawn) == sorted({j.family for j in held})
+        assert to_compile == [j for j in all_jobs if j in set(to_compile)]  # in the sweep's order
+    assert compile_check.plan(all_jobs, {}, random.Random(0)) == (all_jobs, set())
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
-def test_one_specialisation_compiles_without_spills(capsys):
-    """The path of the compile check on one spec; `.ci/run`'s nvcc-sweep step runs it on all of them."""
+def test_one_specialisation_compiles_without_spills_into_a_record_that_checks_it(tmp_path, capsys):
+    """The path of the compile check on one spec; `.ci/run`'s nvcc-sweep step runs it on all of them. A
+    passing sweep with ``update`` writes its record; a check against a record whose registers differ from
+    what the compiler gives fails."""
     spec = build.KernelSpec.make("forward", "bfloat16", 64, "expr", CAUSAL)
-    failures = compile_check.check(["sm_80"], [spec])
+    path = tmp_path / "record.txt"
+    failures = compile_check.check(["sm_80"], [spec], record=path, update=True)
     report = capsys.readouterr().out
     assert failures == 0, report
     assert f"ok   sm_80 {spec.name}: " in report and "1 of 1 compiled for sm_80: 0 failed" in report
+    ((key, registers),) = compile_check.read_record(path).items()
+    path.write_text(path.read_text().replace(f" {registers}\n", f" {registers + 1}\n"))
+    assert compile_check.check(["sm_80"], [spec], record=path, seed=7) == 1
+    report = capsys.readouterr().out
+    assert f"{registers} registers where the record says {registers + 1}" in report
+    assert "1 of 1 compiled for sm_80: 0 not in" in report and "1 drawn from it (seed 7)" in report
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cusparseattn import arrays, backends, dynamic, patterns, plans, reference
+from cusparseattn import arrays, backends, dynamic, native_backends, patterns, plans, reference
 from cusparseattn.layout import BlockLayout
 from cusparseattn.rules import TokenRule
 from cusparseattn.testing import backward_refs, check_close, forward_refs, random_qkv
@@ -175,7 +175,7 @@ def on_gpu(monkeypatch):
 @pytest.fixture
 def kernels_can_run(monkeypatch):
     """Make the CUDA backend accept any inputs, so that tracing takes the kernels' path (never run here)."""
-    monkeypatch.setattr(backends.CudaBackend, "not_supported_reasons", lambda self, inputs, op: [])
+    monkeypatch.setattr(native_backends.CudaBackend, "not_supported_reasons", lambda self, inputs, op: [])
 
 
 def test_gpu_kernels_trace_into_buffer_callbacks(on_gpu, kernels_can_run):
@@ -196,7 +196,7 @@ def test_gpu_kernels_trace_into_buffer_callbacks(on_gpu, kernels_can_run):
 def test_gpu_inputs_the_kernels_cannot_take_run_the_reference_on_host_copies_without_cupy(
     on_gpu, monkeypatch
 ):
-    monkeypatch.setattr(backends, "_has_cupy", lambda: False)
+    monkeypatch.setattr(native_backends, "_has_cupy", lambda: False)
     q, k, v = arrays_of(dtype=np.float32)
     want = reference.forward(*(np.asarray(x) for x in (q, k, v)), patterns.causal().layout(24))[0]
     f = jax.jit(lambda q: ca_jax.attention(q, k, v, causal=True))
@@ -213,8 +213,9 @@ def test_float32_and_float64_gpu_inputs_trace_into_the_reference_on_xla_buffers(
     """With CuPy, the reference runs on XLA's GPU buffers (a buffer_callback), with no host copy and no
     warning, where the kernels cannot (float64; float32 where they are not here). Traced only: these arrays
     are on the CPU, however they describe themselves."""
-    monkeypatch.setattr(backends, "_has_cupy", lambda: True)
-    monkeypatch.setattr(backends.CudaBackend, "not_supported_reasons", lambda self, inputs, op: ["not here"])
+    monkeypatch.setattr(native_backends, "_has_cupy", lambda: True)
+    cuda = native_backends.CudaBackend
+    monkeypatch.setattr(cuda, "not_supported_reasons", lambda self, inputs, op: ["not here"])
     for dtype in (np.float32, np.float64):
         (q,) = arrays_of(dtype=dtype)[:1]
         with warnings.catch_warnings():
@@ -235,7 +236,7 @@ def test_traced_indices_of_a_dynamic_layout_are_operands_of_the_gpu_references_c
     the pass's inputs (traced only: there is no GPU here)."""
     from cusparseattn import dynamic
 
-    monkeypatch.setattr(backends, "_has_cupy", lambda: True)
+    monkeypatch.setattr(native_backends, "_has_cupy", lambda: True)
     (q,) = arrays_of(Sq=32, D=8, dtype=np.float32)[:1]
 
     def loss(q, idx):
@@ -272,7 +273,7 @@ def test_without_buffer_callback_the_cpu_copies_and_a_gpu_says_which_jax(monkeyp
     np.testing.assert_array_equal(np.asarray(step(q)), want_grad)
 
     monkeypatch.setattr(arrays.JaxTensor, "device", property(lambda self: ("cuda", 0)))
-    monkeypatch.setattr(backends.CudaBackend, "not_supported_reasons", lambda self, inputs, op: [])
+    monkeypatch.setattr(native_backends.CudaBackend, "not_supported_reasons", lambda self, inputs, op: [])
     with pytest.raises(NotImplementedError, match=r"which JAX \S+ lacks: install JAX 0.7 or newer, or pass"):
         jax.jit(lambda q: ca_jax.attention(q, k, v))(q)
     with pytest.raises(NotImplementedError, match="install JAX 0.7 or newer"):

@@ -14,7 +14,7 @@ import pytest
 from kernel_cases import np_dtype, to_device, to_host
 
 import cusparseattn
-from cusparseattn import backends, patterns, plans, reference
+from cusparseattn import backends, native_backends, patterns, plans, reference
 from cusparseattn.layout import BlockLayout
 from cusparseattn.rules import TokenRule
 from cusparseattn.testing import backward_refs, check_close, forward_refs, random_qkv
@@ -153,7 +153,7 @@ def test_eager_calls_skip_the_operators():
             torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-class PreparingReference(backends.ReferenceBackend):
+class PreparingReference(native_backends.ReferenceBackend):
     """The reference under another name, which prepares its forward and backward (`Backend.prepare_forward`,
     `Backend.prepare_backward`); ``prepared`` counts the preparations, ``runs`` records which way each
     backward went."""
@@ -169,7 +169,7 @@ class PreparingReference(backends.ReferenceBackend):
 
         class Ready(backends.PreparedForward):
             def run(self, inputs):
-                return backends.ReferenceBackend.forward(backend, inputs)
+                return native_backends.ReferenceBackend.forward(backend, inputs)
 
         return Ready()
 
@@ -184,7 +184,7 @@ class PreparingReference(backends.ReferenceBackend):
 
             def run(self, inputs):
                 backend.runs.append("prepared")
-                return backends.ReferenceBackend.backward(backend, inputs)
+                return native_backends.ReferenceBackend.backward(backend, inputs)
 
         return Ready()
 
@@ -575,7 +575,7 @@ def test_cuda_backward_is_prepared_in_the_forward(cuda_only, monkeypatch, hook):
     copies laid out anew, a backward plan of their own; both passes launch directly on the tensors
     (`plans._Launch`), never through the backend's unprepared backward: the same kernels, so the same bits
     as the functional backward."""
-    usual, backward = [], backends.CudaBackend.backward
+    usual, backward = [], native_backends.CudaBackend.backward
     direct, launch = [], plans._Launch.__call__
 
     def record(self, inputs):
@@ -586,7 +586,7 @@ def test_cuda_backward_is_prepared_in_the_forward(cuda_only, monkeypatch, hook):
         direct.append(len(tensors))
         return launch(self, *tensors)
 
-    monkeypatch.setattr(backends.CudaBackend, "backward", record)
+    monkeypatch.setattr(native_backends.CudaBackend, "backward", record)
     monkeypatch.setattr(plans._Launch, "__call__", counted)
     rng = np.random.default_rng(7)
     host = random_qkv(rng, 2, 4, 2, 300, 300, 64, np_dtype("bfloat16"), layout="bshd")
