@@ -1,6 +1,6 @@
 """Context parallelism: orderings, schedules, and ring attention across processes (gloo, reference backend).
 
-The multi-process tests spawn one group of 2 and one of 4 processes; each rank runs every case (layouts x
+The multi-process tests start one group of 2 and one of 4 processes; each rank runs every case (layouts x
 balance x rotate) and writes what it measured to a file, and the test asserts on all ranks' results: the
 sharded outputs, LSEs and gradients equal single-process attention on the whole sequence, kernel calls equal
 the schedule's windows (empty slices are skipped), and a sliding window sends a fraction of a dense ring's
@@ -601,9 +601,11 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"{n}ranks")
 def group(request, tmp_path_factory) -> tuple[int, list[dict]]:
-    """``(world size, every rank's results)`` of one spawned group of gloo processes running every case."""
+    """``(world size, every rank's results)`` of one group of gloo processes running every case."""
     world, tmp_path = request.param, tmp_path_factory.mktemp(f"group{request.param}")
-    ctx = multiprocessing.get_context("spawn")
+    # Ranks fork from a server that imported torch and cusparseattn once, not each on its own as spawned ones.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "cusparseattn", __name__])
     procs = [
         ctx.Process(target=_worker, args=(r, world, str(tmp_path / "store"), str(tmp_path)))
         for r in range(world)
