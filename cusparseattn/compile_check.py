@@ -243,8 +243,8 @@ def check(
 
     With ``record`` (a file `write_record` wrote), only what the record does not hold compiles, and one job
     per family of those it does, drawn with ``seed`` (printed), whose registers must match it: a source or
-    compiler that changed compiles again, an unchanged one as recorded. With ``update`` every job compiles
-    and a passing check rewrites the record."""
+    compiler that changed compiles again, an unchanged one as recorded. With ``update`` as well, a passing
+    check rewrites the record with every job of this sweep (a full sweep remakes it from no file)."""
     import os
     import random
     import shutil
@@ -268,7 +268,7 @@ def check(
     options = " ".join(build.nvrtc_options()) if nvrtc else NVCC_OPTIONS
     compiler = f"{source} {(version.stdout.split() or ['?'])[-1]} {options}"
     all_jobs = jobs(archs, specs, compiler)
-    recorded = {} if record is None or update else read_record(record)
+    recorded = {} if record is None else read_record(record)
     seed = random.SystemRandom().randrange(2**32) if seed is None else seed
     to_compile, drawn = plan(all_jobs, recorded, random.Random(seed))
 
@@ -327,7 +327,7 @@ def check(
             failures += bool(problems)
             print("\n".join([line, *problems]))
     where = ", ".join(archs)
-    if record is None or update:
+    if record is None:
         print(f"{len(to_compile) - failures} of {len(to_compile)} compiled for {where}: {failures} failed")
     else:
         new = len(to_compile) - len(drawn)
@@ -336,17 +336,18 @@ def check(
             f" drawn from it (seed {seed}), the other {len(all_jobs) - len(to_compile)} as it records;"
             f" every source through NVRTC's front end; {failures} failed"
         )
-        if new:
+        if new and not update:
             print(f"{new} jobs are not in the record: --update records them")
     if update and not failures:
+        kept = {job: results[job] if job in results else recorded[job.key] for job in all_jobs}
         write_record(
             record,
-            results,
+            kept,
             f"python -m cusparseattn.compile_check --check {' '.join(archs)}"
             f"{' --nvrtc' * nvrtc} --record {record} --update",
             compiler,
         )
-        print(f"recorded {len(results)} jobs in {record}")
+        print(f"recorded {len(kept)} jobs in {record}")
     return failures
 
 
@@ -363,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         "--nvrtc", action="store_true", help="registers and spills of NVRTC's code (run time's)"
     )
     parser.add_argument("--record", metavar="FILE", help="compile only what this record does not hold")
-    parser.add_argument("--update", action="store_true", help="compile everything and rewrite --record")
+    parser.add_argument("--update", action="store_true", help="rewrite --record with this sweep's jobs")
     parser.add_argument("--seed", type=int, help="the seed of the jobs drawn from the record")
     args = parser.parse_args(argv)
     if args.update and args.record is None:

@@ -272,19 +272,27 @@ def test_a_record_compiles_what_it_lacks_and_checks_one_drawn_job_a_family(tmp_p
 def test_one_specialisation_compiles_without_spills_into_a_record_that_checks_it(tmp_path, capsys):
     """The path of the compile check on one spec; `.ci/run`'s nvcc-sweep step runs it on all of them. A
     passing sweep with ``update`` writes its record; a check against a record whose registers differ from
-    what the compiler gives fails."""
+    what the compiler gives fails; an update compiles only what the record lacks (and the drawn jobs)."""
     spec = build.KernelSpec.make("forward", "bfloat16", 64, "expr", CAUSAL)
     path = tmp_path / "record.txt"
     failures = compile_check.check(["sm_80"], [spec], record=path, update=True)
     report = capsys.readouterr().out
     assert failures == 0, report
-    assert f"ok   sm_80 {spec.name}: " in report and "1 of 1 compiled for sm_80: 0 failed" in report
+    assert f"ok   sm_80 {spec.name}: " in report and "1 of 1 compiled for sm_80: 1 not in" in report
     ((key, registers),) = compile_check.read_record(path).items()
-    path.write_text(path.read_text().replace(f" {registers}\n", f" {registers + 1}\n"))
+    written = path.read_text()
+    path.write_text(written.replace(f" {registers}\n", f" {registers + 1}\n"))
     assert compile_check.check(["sm_80"], [spec], record=path, seed=7) == 1
     report = capsys.readouterr().out
     assert f"{registers} registers where the record says {registers + 1}" in report
     assert "1 of 1 compiled for sm_80: 0 not in" in report and "1 drawn from it (seed 7)" in report
+    path.write_text(written)
+    rule = build.RuleSpec(CAUSAL)
+    assert compile_check.check(["sm_80"], [spec, rule], record=path, update=True) == 0
+    report = capsys.readouterr().out
+    assert "2 of 2 compiled for sm_80: 1 not in" in report and "recorded 2 jobs" in report
+    record = compile_check.read_record(path)
+    assert len(record) == 2 and record[key] == registers
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
