@@ -25,9 +25,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
-
-from . import env, tuning
+from . import c_structs, env, tuning
 from .analyses import KernelRule
 
 log = logging.getLogger("cusparseattn")
@@ -47,36 +45,11 @@ PRECISIONS = ("high", "highest")
 RULE_MODES = {"none": 0, "expr": 1, "bits": 2}
 
 
-PARAMS = np.dtype(
-    [
-        ("q", np.uint64), ("k", np.uint64), ("v", np.uint64), ("o", np.uint64), ("lse", np.uint64),
-        ("dout", np.uint64), ("dq", np.uint64), ("dk", np.uint64), ("dv", np.uint64), ("stats", np.uint64),
-        ("q_sb", np.int64), ("q_sh", np.int64), ("q_ss", np.int64),
-        ("k_sb", np.int64), ("k_sh", np.int64), ("k_ss", np.int64),
-        ("v_sb", np.int64), ("v_sh", np.int64), ("v_ss", np.int64),
-        ("o_sb", np.int64), ("o_sh", np.int64), ("o_ss", np.int64),
-        ("do_sb", np.int64), ("do_sh", np.int64), ("do_ss", np.int64),
-        ("dq_sb", np.int64), ("dq_sh", np.int64), ("dq_ss", np.int64),
-        ("dk_sb", np.int64), ("dk_sh", np.int64), ("dk_ss", np.int64),
-        ("dv_sb", np.int64), ("dv_sh", np.int64), ("dv_ss", np.int64),
-        ("lse_sb", np.int64), ("lse_sh", np.int64),
-        ("stats_sb", np.int64), ("stats_sh", np.int64), ("stats_sr", np.int64),
-        ("seq_q", np.int32), ("seq_k", np.int32), ("heads_q", np.int32), ("group", np.int32),
-        ("layout_batch", np.int32), ("layout_heads", np.int32),
-        ("tiles_q", np.int32), ("tiles_k", np.int32),
-        ("sub_q_shift", np.int32), ("sub_k_shift", np.int32), ("sub_k_count", np.int32),
-        ("scale", np.float32),
-        ("row_ptr", np.uint64), ("entries", np.uint64), ("col_ptr", np.uint64), ("col_entries", np.uint64),
-        ("sub_bits", np.uint64), ("bit_mask", np.uint64),
-        ("rule_p", np.int64, (8,)), ("rule_a", np.uint64, (4,)),
-        ("q_origin", np.int64), ("k_origin", np.int64),
-        ("score_ip", np.int64, (8,)), ("score_fp", np.float32, (8,)), ("score_a", np.uint64, (4,)),
-        ("work", np.uint64), ("work_count", np.int32), ("rule_narrow", np.int32),
-        ("col_start", np.uint64), ("rank_ptr", np.uint64), ("ranks", np.uint64), ("dq_unordered", np.int32),
-        ("parts", np.uint64), ("split_ptr", np.uint64),
-    ],
-    align=True,
-)  # fmt: skip
+#: The C structs the kernels take by value, as NumPy dtypes read from their definitions.
+PARAMS = c_structs.mirror("params.cuh", "Params")
+MASK_PARAMS = c_structs.mirror("block_mask.cu", "MaskParams")
+TABLES_PARAMS = c_structs.mirror("dynamic_tables.cu", "TablesParams")
+SELECT_PARAMS = c_structs.mirror("moba_select.cu", "SelectParams")
 
 
 @dataclass(frozen=True)
@@ -297,32 +270,6 @@ class RuleSpec:
         return "\n".join(lines) + "\n" + _inline(self.kernel + ".cu")
 
 
-# kernels/block_mask.cu's MaskParams.
-MASK_PARAMS = np.dtype(
-    [
-        ("any", np.uint64), ("all", np.uint64), ("seq_q", np.int64), ("seq_k", np.int64),
-        ("block_q", np.int32), ("block_k", np.int32), ("blocks_q", np.int32), ("blocks_k", np.int32),
-        ("heads", np.int32), ("rule_p", np.int64, (8,)), ("rule_a", np.uint64, (4,)),
-    ],
-    align=True,
-)  # fmt: skip
-
-
-# kernels/dynamic_tables.cu's TablesParams.
-_TABLE_POINTERS = """within plus chosen visited partial visited_t row_count col_count row_ptr col_ptr entries
-    col_entries sub_bits work order rank_ptr ranks col_pos item_start item_rank""".split()
-_TABLE_SIZES = """sel_batch sel_heads sel_group w_batch w_heads p_batch p_heads lines_batch lines_heads n_qb
-    n_kb width words block_q block_k cell_q cell_k per_q per_k cell_rows cell_cols tiles_q tiles_k tile_words
-    q_words tile_n seq_k capacity batch heads_q group ctas rounds item_cost items step""".split()
-TABLES_PARAMS = np.dtype(
-    [("indices", np.uint64), ("counts", np.uint64)]
-    + [(name, np.int64) for name in ("i_sb", "i_sh", "i_sr", "i_sk", "c_sb", "c_sh", "c_sr")]
-    + [(name, np.uint64) for name in _TABLE_POINTERS]
-    + [(name, np.int32) for name in _TABLE_SIZES],
-    align=True,
-)
-
-
 @dataclass(frozen=True)
 class TablesSpec:
     """The kernel that builds a dynamic layout's tile tables on the GPU (kernels/dynamic_tables.cu); its
@@ -339,15 +286,6 @@ class TablesSpec:
         return _inline(self.kernel + ".cu") + "\n" + size + "\n"
 
 
-# kernels/moba_select.cu's SelectParams.
-_SELECT_SIZES = "batch heads_q heads_kv seq_q seq_k head_dim block rows n_k topk width causal step".split()
-SELECT_PARAMS = np.dtype(
-    [(name, np.uint64) for name in ("q", "k")]
-    + [(name, np.int64) for name in ("q_sb", "q_sh", "q_ss", "q_sd", "k_sb", "k_sh", "k_ss", "k_sd")]
-    + [(name, np.uint64) for name in ("k_pool", "q_pool", "out")]
-    + [(name, np.int32) for name in _SELECT_SIZES],
-    align=True,
-)
 _C_ELEMENTS = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
 
 

@@ -208,12 +208,12 @@ def read_record(path) -> dict[str, int]:
 
 
 def write_record(path, results: dict[Job, int], command: str, compiler: str) -> None:
-    """Writes the registers of every job of a passing full sweep, one line a job: key, arch, name."""
+    """Writes the registers of every job of a passing check, one line a job: key, arch, name, registers."""
     from pathlib import Path
 
     head = [
         "# The compile check's record: each specialisation that compiled without a spill, by the hash of its",
-        f"# source and compiler ({compiler}). Remade by:",
+        f"# source and compiler ({compiler}). Brought up to date by:",
         f"# {command}",
     ]
     body = sorted(f"{j.key} {j.arch} {j.spec.name} {r}" for j, r in results.items())

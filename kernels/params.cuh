@@ -6,7 +6,7 @@
 namespace csa {
 
 // Kernel parameters of every pass, passed by value. Strides are in elements; 64-bit so that B*H*S*D may exceed
-// 2^31. The builder mirrors this struct field by field in a NumPy structured dtype (cusparseattn/tuning.py).
+// 2^31. cusparseattn.c_structs reads this definition into the NumPy dtype that the launches fill.
 struct Params {
     const elem_t* q;
     const elem_t* k;

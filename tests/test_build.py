@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import itertools
-import re
 import shutil
 
-import numpy as np
 import pytest
 
 from cusparseattn import build, compile_check, tuning
@@ -60,21 +58,6 @@ def test_a_band_rule_defines_its_bounds():
     other = build.KernelSpec.make("forward_sm90", "bfloat16", 64, "expr", other).source()
     assert "#define RULE_BAND 0" in other and "#define CSA_RULE_LAST" not in other
     assert "#define RULE_QBAND 0" in other and "#define CSA_RULE_QFIRST" not in other
-
-
-def test_params_struct_matches_the_header():
-    """Every field of the NumPy mirror appears in kernels/params.cuh's Params, in the same order."""
-    from cusparseattn import env
-
-    header = (env.kernels_dir() / "params.cuh").read_text()
-    body = header[header.index("struct Params {") + 15 : header.index("};", header.index("struct Params {"))]
-    body = re.sub(r"//[^\n]*", "", body)
-    fields = []
-    for statement in filter(str.strip, body.split(";")):
-        declarators = statement.split(",")
-        declarators[0] = declarators[0].split()[-1]  # drop the type
-        fields += [re.sub(r"[*\s]|\[\d+\]", "", d) for d in declarators]
-    assert fields == list(build.PARAMS.names)
 
 
 def test_score_mod_specialises_the_source_not_its_values():
@@ -384,11 +367,6 @@ def test_hopper_shared_memory_is_the_kernels_struct_and_its_alignment():
 def test_hopper_spec_refuses_partial_panels(kernel, head_dim):
     with pytest.raises(ValueError, match="head dim"):
         build.KernelSpec.make(kernel, "bfloat16", head_dim)
-
-
-def test_params_pack_as_one_struct():
-    params = np.zeros((), build.PARAMS)
-    assert build.PARAMS.isalignedstruct and params.nbytes == build.PARAMS.itemsize
 
 
 def test_rule_spec_source():
