@@ -167,24 +167,9 @@ class KernelSpec:
             lines.append(f"#define CSA_SCORE(s, b, h, q, k) ({self.score[0]})")
             lines.append(f"#define CSA_SCORE_GRAD(s, b, h, q, k) ({self.score[1]})")
         if self.arch is not None:
-            lines.append(f"#define STAGES {tuning.HOPPER_STAGES[self.kernel]}")
-            lines.append(f"#define DESC_ADD64 {int(tuning.descriptor_add64(self.kernel, self.tiles))}")
-            lines.append(f"#define BARRIER_SLEEPS {int(tuning.barrier_sleeps(self.kernel))}")
-            if self.kernel == "backward_sm90":
-                buffers = tuning.fused_kv_buffers(self.padded_head_dim, self.tiles)
-                lines.append(f"#define KV_BUFFERS {buffers}")
+            switches = tuning.switches(self.kernel, self.padded_head_dim, self.tiles)
+            lines += [f"#define {name} {value}" for name, value in switches.items()]
             if self.kernel == "forward_sm90":
-                d, tiles = self.padded_head_dim, self.tiles
-                lines.append(f"#define Q_BUFFERS {tuning.forward_q_buffers(d, tiles)}")
-                lines.append(f"#define V_STAGES {tuning.forward_v_stages(d, tiles)}")
-                lines.append(f"#define STAGE_OUT {int(tuning.forward_stage_out(d, tiles))}")
-                lines.append(f"#define Q_ROWS {tuning.forward_q_rows(d, tiles)}")
-                split_steps = tuning.forward_split_steps(self.padded_head_dim, self.tiles)
-                lines.append(f"#define SPLIT_STEPS {int(split_steps)}")
-                scaled_max = tuning.forward_scaled_max(self.padded_head_dim, self.tiles)
-                lines.append(f"#define SCALED_MAX {int(scaled_max)}")
-                lagging = tuning.forward_lagging_max(self.padded_head_dim, self.tiles)
-                lines.append(f"#define LAGGING_MAX {int(lagging)}")
                 lines.append(f"#define SPLIT_ROWS {int(self.split_rows)}")
             types = {"float16": "f16.f16", "bfloat16": "bf16.bf16"}[self.dtype]
             lines += _wgmma_functions(sorted({tm, tn, self.padded_head_dim}), types)

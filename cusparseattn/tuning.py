@@ -216,6 +216,33 @@ def barrier_sleeps(kernel: str) -> bool:
     return kernel == "forward_sm90"
 
 
+def switches(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> dict[str, int]:
+    """The tuning switches of a Hopper pass's build at this (padded) head dim and tiles, by the define the
+    prelude writes, in its order: the one table of which predicate above sets what for which pass.
+
+    >>> switches("backward_sm90", 128, tile_config("backward_sm90", 128))
+    {'STAGES': 2, 'DESC_ADD64': 1, 'BARRIER_SLEEPS': 0, 'KV_BUFFERS': 1}
+    """
+    table = {
+        "STAGES": HOPPER_STAGES[kernel],
+        "DESC_ADD64": int(descriptor_add64(kernel, tiles)),
+        "BARRIER_SLEEPS": int(barrier_sleeps(kernel)),
+    }
+    if kernel == "backward_sm90":
+        table["KV_BUFFERS"] = fused_kv_buffers(head_dim, tiles)
+    if kernel == "forward_sm90":
+        table |= {
+            "Q_BUFFERS": forward_q_buffers(head_dim, tiles),
+            "V_STAGES": forward_v_stages(head_dim, tiles),
+            "STAGE_OUT": int(forward_stage_out(head_dim, tiles)),
+            "Q_ROWS": forward_q_rows(head_dim, tiles),
+            "SPLIT_STEPS": int(forward_split_steps(head_dim, tiles)),
+            "SCALED_MAX": int(forward_scaled_max(head_dim, tiles)),
+            "LAGGING_MAX": int(forward_lagging_max(head_dim, tiles)),
+        }
+    return table
+
+
 def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int], itemsize: int = 2) -> int:
     """The dynamic shared memory of one pass for elements of `itemsize` bytes (each kernel static_asserts the
     same figure)."""
