@@ -27,6 +27,12 @@ _SCALARS = {
 _DECLARATOR = re.compile(r"\s*(\**)\s*([A-Za-z_]\w*)\s*(?:\[(\d+)\])?\s*$")
 
 
+def definition(text: str, struct: str) -> str:
+    """The C definition of struct ``struct`` in ``text``, from ``struct Name {`` to its ``};``."""
+    start = text.index(f"struct {struct} {{")
+    return text[start : text.index("};", start) + 2]
+
+
 def parse(text: str, struct: str) -> np.dtype:
     """The aligned structured dtype of C struct ``struct`` defined in ``text``: fields of `_SCALARS` types,
     pointers, and fixed-size arrays of them, declared one or several a statement.
@@ -34,8 +40,8 @@ def parse(text: str, struct: str) -> np.dtype:
     >>> parse("struct P { const float* x; long long n[2], m; int k; };", "P").descr
     [('x', '<u8'), ('n', '<i8', (2,)), ('m', '<i8'), ('k', '<i4'), ('', '|V4')]
     """
-    start = text.index(f"struct {struct} {{")
-    body = re.sub(r"//[^\n]*", "", text[text.index("{", start) + 1 : text.index("};", start)])
+    whole = definition(text, struct)
+    body = re.sub(r"//[^\n]*", "", whole[whole.index("{") + 1 : -2])
     fields = []
     for statement in filter(str.strip, body.split(";")):
         first, *others = statement.split(",")

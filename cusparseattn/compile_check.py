@@ -182,7 +182,7 @@ class Job(NamedTuple):
         return getattr(self.spec, "kernel", type(self.spec).__name__), self.arch
 
 
-def jobs(archs: list[str], specs=None, compiler: str = "") -> list[Job]:
+def jobs(archs: list[str], specs, compiler: str) -> list[Job]:
     """Every (spec, arch) that `check` compiles, keyed by the hash of the compiler's version and options and
     the spec's whole source (its headers inlined): a job of the same key compiles to the same code."""
     import hashlib
@@ -272,11 +272,10 @@ def check(
     seed = random.SystemRandom().randrange(2**32) if seed is None else seed
     to_compile, drawn = plan(all_jobs, recorded, random.Random(seed))
 
-    def front_end(spec: KernelSpec | RuleSpec) -> tuple[str, list[str]]:
-        # NVRTC's front end is the same for every arch: once per spec.
+    def front_end(spec: KernelSpec | RuleSpec, arch: str) -> tuple[str, list[str]]:
+        # NVRTC's front end is the same for every arch: once per spec, for its last.
         try:
-            virtual = compile_targets(archs, [spec])[spec][-1].replace("sm_", "compute_")
-            nvrtc_compile(lib, spec.source(), virtual, include, syntax_only=True)
+            nvrtc_compile(lib, spec.source(), arch.replace("sm_", "compute_"), include, syntax_only=True)
         except RuntimeError as err:
             return f"FAIL NVRTC {spec.name}", [f"NVRTC: {err}"]
         return "", []
@@ -314,7 +313,7 @@ def check(
         checks = (
             []
             if nvrtc or lib is None
-            else [pool.submit(front_end, s) for s in dict.fromkeys(j.spec for j in all_jobs)]
+            else [pool.submit(front_end, s, a) for s, a in {j.spec: j.arch for j in all_jobs}.items()]
         )
         compiles = {job: pool.submit(compile_one, tmp, job) for job in to_compile}
         for future in checks:

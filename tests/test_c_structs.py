@@ -62,9 +62,7 @@ typedef unsigned short elem_t, Element;
 """
     body = []
     for struct, (filename, dtype) in STRUCTS.items():
-        text = (env.kernels_dir() / filename).read_text()
-        start = text.index(f"struct {struct} {{")
-        prelude += text[start : text.index("};", start) + 2] + "\n"
+        prelude += c_structs.definition((env.kernels_dir() / filename).read_text(), struct) + "\n"
         body += [
             f'std::printf("{struct} {name} %zu\\n", offsetof({struct}, {name}));' for name in dtype.names
         ]
