@@ -51,7 +51,10 @@ def parse(text: str, struct: str) -> np.dtype:
         type_text, declarators = match.group(1), [match.group(2), *others]
         base = " ".join(type_text.replace("*", " ").replace("const", " ").split())
         for declarator in declarators:
-            stars, name, size = _DECLARATOR.match(declarator).groups()
+            match = _DECLARATOR.match(declarator)
+            if match is None:
+                raise ValueError(f"struct {struct}: cannot read the declarator {declarator.strip()!r}")
+            stars, name, size = match.groups()
             if "*" in type_text or stars:
                 kind = np.uint64
             elif base in _SCALARS:
