@@ -34,8 +34,9 @@ from .layout import BlockLayout
 
 def _tiles(kernel: str, layout, head_dim: int, device: int, score, wide=False, dtype=None, precision="high"):
     """The tiles of `kernel` over `layout` (`tuning.tile_config`); `score`: whether a score mod is given."""
-    bits = not isinstance(layout, DynamicLayout) and plan.rule_mode(layout) == "bits"
-    choice = (score is not None, bits, wide, build.DTYPES.get(dtype, 2), precision == "highest")
+    static = not isinstance(layout, DynamicLayout)
+    bits, elementwise = static and plan.rule_mode(layout) == "bits", static and plan.elementwise_rule(layout)
+    choice = (score is not None, bits, wide, build.DTYPES.get(dtype, 2), precision == "highest", elementwise)
     return tuning.tile_config(kernel, head_dim, devices.max_shared(device), *choice)
 
 
@@ -93,7 +94,9 @@ def _wide_schedule_pays(
     layout: BlockLayout, kernel: str, head_dim: int, batch: int, heads: int, score: bool, device: int
 ) -> bool:
     choice = (kernel, head_dim, devices.max_shared(device), score, plan.rule_mode(layout) == "bits")
-    narrow, wide = tuning.tile_config(*choice), tuning.tile_config(*choice, wide=True)
+    elementwise = plan.elementwise_rule(layout)
+    narrow = tuning.tile_config(*choice, elementwise=elementwise)
+    wide = tuning.tile_config(*choice, wide=True, elementwise=elementwise)
     if wide == narrow or plan.tile_cells(*wide[:2], layout.block_size) > plan.MAX_CELLS:
         return False
     sms, padded = devices.sm_count(device), tuning.pad_head_dim(head_dim)

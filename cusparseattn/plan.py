@@ -52,6 +52,12 @@ def rule_mode(layout: BlockLayout) -> str:
     return "expr" if layout.rule.c_expr is not None else "bits"
 
 
+def elementwise_rule(layout: BlockLayout) -> bool:
+    """Whether the kernels evaluate the layout's rule at each element of a partial tile: a rule they take as
+    an expression (`rule_mode` "expr") that is no band of keys (`analyses.KernelRule.key_band`)."""
+    return rule_mode(layout) == "expr" and layout.rule.kernel.key_band is None
+
+
 def kernel_rule(layout: BlockLayout) -> tuple:
     """(rule mode, the rule's `analyses.KernelRule` where the kernels evaluate it, else None)."""
     mode = rule_mode(layout)

@@ -292,9 +292,12 @@ def tile_config(
     wide: bool = False,
     itemsize: int = 2,
     highest: bool = False,
+    elementwise: bool = False,
 ) -> tuple[int, int, int]:
     """The preferred tiles of `kernel` for this head dim whose shared memory fits `max_shared` bytes (and
-    whose key tile a score mod, or a layout's bit masks, allow); its `WIDE_TILES` where `wide` asks. Elements
+    whose key tile a score mod, or a layout's bit masks, allow); its `WIDE_TILES` where `wide` asks, unless
+    a score mod, bit masks or a rule evaluated at each element (`elementwise`: no band) come with the call:
+    the wide tiles' consumers have 128 (head dim 64) or 168 registers, and such a rule spills there. Elements
     of `itemsize` 4 (float32) take `FLOAT32_TILES`, and at precision "highest" `HIGHEST_TILES` where it has
     some."""
     if kernel not in TILES:
@@ -306,7 +309,8 @@ def tile_config(
         table = {**table, **HIGHEST_TILES.get(kernel, {})}
     padded = pad_head_dim(head_dim)
     tiles = WIDE_TILES.get(kernel, {}).get(padded)
-    if wide and tiles and not (score or bits) and shared_bytes(kernel, head_dim, tiles) <= max_shared:
+    plain = not (score or bits or elementwise)
+    if wide and tiles and plain and shared_bytes(kernel, head_dim, tiles) <= max_shared:
         return tiles  # the Hopper forward's: half precision
     needs = {"score": score, "bits": bits}
     limits = [limit for need, limit in MAX_TILES.get(kernel, {}).items() if needs[need]]

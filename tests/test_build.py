@@ -104,6 +104,8 @@ def test_the_hopper_forward_may_take_wide_tiles(head_dim, wide):
     # Not with a score mod (it would spill) nor with a layout's bit masks.
     assert tuning.tile_config("forward_sm90", head_dim, score=True, wide=True) == (128, 128, 12)
     assert tuning.tile_config("forward_sm90", head_dim, bits=True, wide=True) == (128, 128, 12)
+    # Nor with a rule evaluated at each element (no band): it spills there (test_cuda_dispatch).
+    assert tuning.tile_config("forward_sm90", head_dim, elementwise=True, wide=True) == (128, 128, 12)
     assert tuning.tile_config("forward", head_dim, wide=True) == tuning.tile_config("forward", head_dim)
     names = [s.name for s in compile_check.all_specs()]
     shape = f"q{wide[0]}k{wide[1]}w{wide[2]}"

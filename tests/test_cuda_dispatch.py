@@ -24,6 +24,7 @@ from cusparseattn import (
     gpu_tables,
     mods,
     patterns,
+    plan,
     tma,
     tuning,
 )
@@ -343,6 +344,23 @@ def test_the_hopper_forward_takes_wide_tiles_where_its_schedule_ends_sooner(
     monkeypatch.setattr(devices, "max_shared", lambda device: 227 * 1024)
     assert cuda._wide_pays("forward_sm90", pattern.layout(seq), head_dim, 2, 16, 0) is pays
     assert not cuda._wide_pays("forward", pattern.layout(seq), head_dim, 2, 16, 0)  # the portable pass
+
+
+def test_a_rule_without_a_band_keeps_the_hopper_forwards_default_tiles(monkeypatch):
+    """Packed documents from a captured table of ids (8 documents cut at random tokens, causal in each, as
+    bench.py's case) are evaluated at each element of a partial tile: on the wide tiles that spills (the
+    compile check, NVRTC and nvcc alike, at 144 to 636 bytes), so `_wide_pays` declines them where their
+    schedule alone would take them (before, at head dim 64); a band (causal) still may."""
+    monkeypatch.setattr(devices, "sm_count", lambda device: 132)
+    monkeypatch.setattr(devices, "max_shared", lambda device: 227 * 1024)
+    seq = 16384
+    cuts = np.sort(np.random.default_rng(seq).choice(np.arange(1, seq), size=7, replace=False))
+    ids = np.repeat(np.arange(8, dtype=np.int32), np.diff([0, *cuts, seq]))
+    documents = patterns.document(ids, causal=True, block=128).layout(seq)
+    causal = patterns.causal(block=128).layout(seq)
+    assert plan.elementwise_rule(documents) and not plan.elementwise_rule(causal)
+    assert not cuda._wide_pays("forward_sm90", documents, 64, 2, 16, 0)
+    assert cuda._wide_pays("forward_sm90", causal, 64, 2, 16, 0)
 
 
 @pytest.mark.parametrize(
