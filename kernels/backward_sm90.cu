@@ -213,9 +213,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
             to_a_fragments<TILE_M>(dpt, ds_frag);
             // dS^T's 64 keys become this consumer's panel of dS; both halves are in before either reads them.
             store_transposed<TILE_M>(ds_frag, sh.ds[ds] + consumer * TILE_M * 64);
-            fence_stores_for_async();
             // dV's product needs this consumer's P^T alone: it runs while the other half of dS comes.
             issue_PB<TILE_M>(dv, p_frag, sh.dout[slot]);
+            fence_stores_for_async();
             named_barrier(DS_BAR, CONSUMERS * 128);
             // dQ's share: query rows [dq_row, dq_row + 64) by head-dim columns [dq_col, dq_col + 64), by this
             // consumer on this visit or not at all. It is issued before dK's product, and goes out to its adding
