@@ -171,8 +171,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     float dk[HEAD_DIM / 8][4], dv[HEAD_DIM / 8][4], dq[DQ_N / 8][4];
 
     int n = 0;
-    for (int w = blockIdx.x, items = 0;; w += gridDim.x, ++items) {
-        ColumnWalk<true> visits(p, item_at(p, w));
+    for (int items = 0;; ++items) {  // the item's index from one counter: with two, NVRTC's code spilled
+        ColumnWalk<true> visits(p, item_at(p, blockIdx.x + items * gridDim.x));
         if (visits.b < 0) break;
         const int b = visits.b, k_tile0 = visits.tile_k * TILE_N;
         zero(dk);
