@@ -36,9 +36,11 @@ DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
 _DTYPE_NAMES = {"float16": "f16", "bfloat16": "bf16", "float32": "tf32"}
 #: The dtypes of every pass, the Hopper ones among them.
 HALF_DTYPES = ("float16", "bfloat16")
-#: The passes that take float32: the portable ones (wgmma's TF32 reads both operands K-major, which V in
-#: P V is not).
-FLOAT32_KERNELS = ("forward", "backward_dq", "backward_dkdv")
+#: The passes that take float32: the portable ones, and the Hopper forward with its split rows' combine pass
+#: and the transposed copy of V that its TF32 P V reads (wgmma's TF32 reads both operands K-major).
+FLOAT32_KERNELS = ("forward", "backward_dq", "backward_dkdv", "forward_sm90", "forward_combine", "forward_vt")
+#: The passes that take float32 only.
+FLOAT32_ONLY = ("forward_vt",)
 #: float32's precisions, as PyTorch names them: "high" multiplies in TF32 (10 bits of mantissa), "highest"
 #: in split TF32 (three products a multiply, float32's rounding).
 PRECISIONS = ("high", "highest")
@@ -108,10 +110,14 @@ class KernelSpec:
             raise ValueError(f"only forward_sm90 splits rows, not {self.kernel}")
         if self.dtype == "float32" and self.kernel not in FLOAT32_KERNELS:
             raise ValueError(f"float32 runs the passes {FLOAT32_KERNELS}, not {self.kernel}")
+        if self.dtype != "float32" and self.kernel in FLOAT32_ONLY:
+            raise ValueError(f"{self.kernel} takes float32 only, not {self.dtype}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.precision != "high" and self.dtype != "float32":
             raise ValueError(f"precision {self.precision!r} is float32's; {self.dtype} takes 'high'")
+        if self.precision != "high" and self.kernel in tuning.ARCH:
+            raise ValueError(f"{self.kernel} multiplies float32 in TF32 (precision 'high') only")
         if self.kernel in tuning.ARCH and self.head_dim not in tuning.HOPPER_HEAD_DIMS:
             raise ValueError(f"{self.kernel} takes head dims {tuning.HOPPER_HEAD_DIMS}, got {self.head_dim}")
 
@@ -167,48 +173,52 @@ class KernelSpec:
             lines.append(f"#define CSA_SCORE(s, b, h, q, k) ({self.score[0]})")
             lines.append(f"#define CSA_SCORE_GRAD(s, b, h, q, k) ({self.score[1]})")
         if self.arch is not None:
-            switches = tuning.switches(self.kernel, self.padded_head_dim, self.tiles)
+            switches = tuning.switches(self.kernel, self.padded_head_dim, self.tiles, DTYPES[self.dtype])
             lines += [f"#define {name} {value}" for name, value in switches.items()]
             if self.kernel == "forward_sm90":
                 lines.append(f"#define SPLIT_ROWS {int(self.split_rows)}")
-            types = {"float16": "f16.f16", "bfloat16": "bf16.bf16"}[self.dtype]
-            lines += _wgmma_functions(sorted({tm, tn, self.padded_head_dim}), types)
+            lines += _wgmma_functions(sorted({tm, tn, self.padded_head_dim}), self.dtype)
         return "\n".join(lines) + "\n"
 
     def source(self) -> str:
         return self.prelude() + _inline(self.kernel + ".cu")
 
 
-def _wgmma_functions(ns: list[int], types: str) -> list[str]:
+def _wgmma_functions(ns: list[int], dtype: str) -> list[str]:
     """kernels/hopper.cuh's wgmma_ss<N>, wgmma_ss_bmn<N> (B read MN-major) and wgmma_rs<N> for these N:
-    m64nNk16, fp32 accumulators, the accumulator of N / 2 registers spelled out operand by operand (PTX takes
-    no arrays)."""
+    m64nNk16 (m64nNk8 in TF32, for float32), fp32 accumulators, the accumulator of N / 2 registers spelled
+    out operand by operand (PTX takes no arrays). TF32 reads its shared operands K-major only: no
+    wgmma_ss_bmn, and no transpose operand."""
     desc = "unsigned long long"
     lines = [
         f"template <int N> __device__ void wgmma_ss(float (&)[N / 8][4], {desc}, {desc}, int);",
         f"template <int N> __device__ void wgmma_ss_bmn(float (&)[N / 8][4], {desc}, {desc}, int);",
         f"template <int N> __device__ void wgmma_rs(float (&)[N / 8][4], const unsigned (&)[4], {desc});",
     ]
+    tf32 = dtype == "float32"
+    types, k = {"float16": ("f16.f16", 16), "bfloat16": ("bf16.bf16", 16), "float32": ("tf32.tf32", 8)}[dtype]
     for n in ns:
         regs = n // 2
         acc = ", ".join(f"%{i}" for i in range(regs))
         outs = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(regs))
-        op = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{types}"
-        for name, trans_b in (("wgmma_ss", 0), ("wgmma_ss_bmn", 1)):
+        op = f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{types}"
+        for name, trans_b in (("wgmma_ss", 0),) if tf32 else (("wgmma_ss", 0), ("wgmma_ss_bmn", 1)):
+            scales = "1, 1" if tf32 else f"1, 1, 0, {trans_b}"
             lines += [
                 f"template <> __device__ __forceinline__ void {name}<{n}>(float (&d)[{n // 8}][4], "
                 "unsigned long long a, unsigned long long b, int accumulate) {",
                 f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 2}, 0;\\n'
-                f'{op} {{{acc}}}, %{regs}, %{regs + 1}, p, 1, 1, 0, {trans_b};\\n}}\\n"',
+                f'{op} {{{acc}}}, %{regs}, %{regs + 1}, p, {scales};\\n}}\\n"',
                 f'                 : {outs} : "l"(a), "l"(b), "r"(accumulate));',
                 "}",
             ]
+        scales = "1, 1" if tf32 else "1, 1, 1"
         lines += [
             f"template <> __device__ __forceinline__ void wgmma_rs<{n}>(float (&d)[{n // 8}][4], "
             "const unsigned (&a)[4], unsigned long long b) {",
             f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n'
             f"{op} {{{acc}}}, {{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, %{regs + 4}, "
-            f'p, 1, 1, 1;\\n}}\\n"',
+            f'p, {scales};\\n}}\\n"',
             f'                 : {outs} : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));',
             "}",
         ]

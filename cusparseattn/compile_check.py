@@ -30,6 +30,8 @@ def all_specs() -> list[KernelSpec | RuleSpec]:
     rules = [("none", None), ("bits", None), ("expr", CAUSAL_RULE)]
     specs = []
     for kernel, table in tuning.TILES.items():
+        if kernel in build.FLOAT32_ONLY:
+            continue  # float32_specs
         if kernel in tuning.PLAIN:
             specs += [
                 KernelSpec.make(kernel, dt, d, tiles=t)
@@ -67,19 +69,28 @@ def all_specs() -> list[KernelSpec | RuleSpec]:
 
 
 def float32_specs(rules) -> list[KernelSpec]:
-    """float32's specialisations, at each precision: every pass that takes it (`build.FLOAT32_KERNELS`), head
-    dim and mask kind, every smaller tile of its table (devices with less shared memory) with a rule, and a
-    score mod."""
+    """float32's specialisations, at each precision it takes: every pass that takes it
+    (`build.FLOAT32_KERNELS`; the Hopper forward at "high", with split rows, its combine and V's transposed
+    copy), head dim and mask kind, every smaller tile of its table (devices with less shared memory) with a
+    rule, and a score mod."""
     specs = []
     for kernel in build.FLOAT32_KERNELS:
-        for precision in build.PRECISIONS:
+        if kernel in tuning.PLAIN:
+            table = tuning.FLOAT32_TILES[kernel]
+            specs += [KernelSpec.make(kernel, "float32", d, tiles=t) for d, ts in table.items() for t in ts]
+            continue
+        hopper = kernel in tuning.ARCH
+        for precision in ("high",) if hopper else build.PRECISIONS:
             spec = functools.partial(KernelSpec.make, kernel, "float32", precision=precision)
-            specs += [spec(d, mode, expr) for d in (32, 64, 96, 128, 256) for mode, expr in rules]
+            dims = tuning.HOPPER_HEAD_DIMS if hopper else (32, 64, 96, 128, 256)
+            specs += [spec(d, mode, expr) for d in dims for mode, expr in rules]
             table = tuning.FLOAT32_TILES[kernel]
             if precision == "highest":
                 table = {**table, **tuning.HIGHEST_TILES.get(kernel, {})}
             specs += [spec(d, *rules[2], tiles=t) for d, candidates in table.items() for t in candidates[1:]]
             specs += [spec(d, *rules[2], score=SAMPLE_SCORE) for d in (64, 128)]
+            if hopper:
+                specs += [spec(d, *rules[2], split_rows=True) for d in dims]
     return specs
 
 

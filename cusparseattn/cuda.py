@@ -13,7 +13,7 @@ import functools
 
 import numpy as np
 
-from . import build, devices, dynamic_tables, env, plan, schedule, tuning
+from . import build, devices, dynamic_tables, env, plan, schedule, tma, tuning
 from .arrays import contiguous_strides
 from .dynamic import DynamicLayout
 from .gpu_tables import device_tables, per_object, score_spec, score_tables, set_rule
@@ -193,13 +193,19 @@ class Forward:
 
         batch, heads_q = q.shape[:2]
         self.device = device = q.device[1]
-        kernel = "forward" if tiles or devices.hopper_reasons(q, k, v, out=out) else "forward_sm90"
+        portable = tiles or devices.hopper_reasons(q, k, v, out=out, forward=True, precision=precision)
+        kernel = "forward" if portable else "forward_sm90"
+        # float32's Hopper forward reads V's transposed copy (forward_vt.cu), made first into a scratch.
+        transposed = kernel == "forward_sm90" and q.dtype == "float32"
+        itemsize = build.DTYPES[q.dtype]
         # The tables' uploads, on the stream of the first launch that reads them.
         with cupy.cuda.Device(device), cupy_stream(q.stream):
             bind_device(device)
             score = score_tables(score_mod, device)
             dynamic = isinstance(layout, DynamicLayout)
-            wide = not dynamic and _wide_pays(kernel, layout, q.shape[3], batch, heads_q, device, score)
+            wide = not (dynamic or transposed) and _wide_pays(
+                kernel, layout, q.shape[3], batch, heads_q, device, score
+            )
             tiles = tiles or _tiles(kernel, layout, q.shape[3], device, score, wide, q.dtype, precision)
             tables = _tables(layout, tiles, device, _sizes(q, k))
             # A dynamic layout's tables are filled at each run from its arrays (`run`'s layout).
@@ -209,13 +215,14 @@ class Forward:
                 ctas = min(batch * heads_q * tables.plan.tiles_q, devices.sm_count(device))
                 work = tables.work(batch, heads_q, ctas, _FORWARD_GROUP * devices.sm_count(device), ctas)
                 grid = (ctas, 1, 1)
-                # out is stored in a consumer's 64 rows (forward_sm90.cu)
-                rows = {
-                    "q": tuning.forward_q_rows(q.shape[3], tiles),
-                    "k": tiles[1],
-                    "v": tiles[1],
-                    "out": 64,
-                }
+                # out is stored in a consumer's 64 rows (forward_sm90.cu); V's transposed copy is read
+                # all its rows (head dims) and a key tile's panels at a time
+                rows = {"q": tuning.forward_q_rows(q.shape[3], tiles, itemsize), "k": tiles[1]}
+                if transposed:
+                    rows["vt"] = (q.shape[3], tiles[1] // tma.panel(itemsize))
+                else:
+                    rows["v"] = tiles[1]
+                rows["out"] = 64
                 splits = work["split_ptr"].size - 1
             else:
                 grid = (tables.plan.tiles_q, heads_q, batch)
@@ -227,15 +234,24 @@ class Forward:
             if splits:
                 names += ("stats",)
                 made["stats"] = _Like(self.scratch, "float32")
+            self.transposed = vt_shape(k.shape) if transposed else None
+            if transposed:
+                names += ("vt",)
+                made["vt"] = _Like(self.transposed, "float32")
             arrays = _bound_arrays(names, dict(q=q, k=k, v=v, out=out, lse=lse), made)
             main = make_pass(kernel, grid, tables, score, scale, tiles, work, q=q, k=k, precision=precision)
             self.launches = [main.bind(arrays, rows)]
+            if transposed:
+                edges = tuning.tile_config("forward_vt", q.shape[3], itemsize=4)
+                grid = (self.transposed[3] // edges[0], q.shape[3] // edges[1], batch * k.shape[1])
+                copy = make_pass("forward_vt", grid, tables, None, scale, edges, q=q, k=k)
+                self.launches.insert(0, copy.bind(arrays, {}))
             if splits:  # a warp for each query row of each split row (forward_combine.cu)
                 edges = tuning.edge_tiles(tiles)
                 grid = (splits, edges[0] // edges[2], 1)
                 combine = make_pass("forward_combine", grid, tables, None, scale, edges, work, q=q, k=k)
                 self.launches.append(combine.bind(arrays, {}))
-        # What a caller that makes the arrays itself makes for `launch`, C-contiguous: out, lse, the scratch
+        # What a caller that makes the arrays itself makes for `launch`, C-contiguous: out, lse, the scratches
         # (shape, dtype name each). None when out or lse were given: the launches are bound to theirs.
         # A dynamic layout's launches need its arrays: no raw-address launch for them.
         contiguous = out is None and lse is None and self.dynamic is None
@@ -245,9 +261,12 @@ class Forward:
         """Writes `out` and `lse` on q's stream; `layout`: the call's, where the launch was made for a
         dynamic one's signature."""
         addresses = (q.data_ptr, k.data_ptr, v.data_ptr, out.data_ptr, lse.data_ptr)
-        if self.scratch is not None:
-            addresses += (scratch(q, self.scratch, self.device).data_ptr,)
+        addresses += tuple(scratch(q, shape, self.device).data_ptr for shape in self._scratches())
         run_launches(self.device, self._launches(layout), q.stream, addresses)
+
+    def _scratches(self) -> tuple:
+        """The shapes of its float32 scratches, in the order bound: split rows' parts, V's transposed copy."""
+        return tuple(shape for shape in (self.scratch, self.transposed) if shape is not None)
 
     def _launches(self, layout) -> list:
         if self.dynamic is None:
@@ -263,9 +282,16 @@ class Forward:
         """Writes out and lse on `stream` (a raw handle) over arrays at these addresses: q, k, v, out, lse,
         for a caller that lends its buffers and no allocator (XLA): a split deal's scratch comes from
         CuPy's pool. `layout` as `run`'s."""
-        if self.scratch is not None:
-            addresses += (pool_scratch(stream, self.scratch, self.device).data.ptr,)
+        addresses += tuple(pool_scratch(stream, shape, self.device).data.ptr for shape in self._scratches())
         run_launches(self.device, self._launches(layout), stream, addresses)
+
+
+def vt_shape(k_shape) -> tuple[int, int, int, int]:
+    """V's transposed copy that float32's Hopper forward reads (forward_vt.cu), for keys of this shape:
+    [B, Hkv, D, Sk padded to 32], whole panels of TF32's swizzled rows."""
+    batch, heads, seq, head_dim = k_shape
+    width = tma.panel(build.DTYPES["float32"])
+    return batch, heads, head_dim, -(-seq // width) * width
 
 
 # The backward's statistics scratch pads the query rows to whole tiles of every pass (the Hopper dK/dV pass
@@ -398,7 +424,7 @@ class Backward:
         made = {name: _Like(q.shape, q.dtype) for name in ("out", "dout", "dq")}
         made |= {name: _Like(k.shape, k.dtype) for name in ("dk", "dv")}
         made |= {"lse": _Like(q.shape[:3], "float32"), "stats": _Like(self.stats_shape, "float32")}
-        self._arrays = _bound_arrays(ARRAYS, dict(arrays, q=q, k=k, v=v), made)
+        self._arrays = _bound_arrays(ARRAYS[: ARRAYS.index("stats") + 1], dict(arrays, q=q, k=k, v=v), made)
         # What a caller that makes the arrays itself makes for `launcher`, C-contiguous: dq, dk, dv, stats
         # (shape, dtype name each). None when any was given: the passes are bound to theirs.
         outputs = ("dq", "dk", "dv", "stats")

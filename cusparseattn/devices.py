@@ -110,21 +110,27 @@ def hopper_device_reasons(device: int) -> list[str]:
     return []
 
 
-# Why float32 takes the portable kernels on a Hopper GPU.
+# Why float32 takes the portable kernels on a Hopper GPU: its backward, and its forward at "highest".
 FLOAT32_ON_HOPPER = (
-    "the Hopper kernels take float16 and bfloat16: float32 runs the portable kernels on TF32 tensor cores "
-    "(wgmma reads TF32 operands K-major only, which V in P V is not)"
+    "the Hopper backward takes float16 and bfloat16: float32's backward runs the portable kernels on TF32 "
+    "tensor cores (its forward runs the Hopper kernel, TF32's wgmma, at precision 'high')"
+)
+FLOAT32_HIGHEST_ON_HOPPER = (
+    "the Hopper forward multiplies float32 in TF32 (precision 'high'): at 'highest' (split TF32) float32 "
+    "runs the portable kernels"
 )
 
 
-def hopper_reasons(q, k, v, dout=None, out=None) -> list[str]:
+def hopper_reasons(q, k, v, dout=None, out=None, *, forward=False, precision="high") -> list[str]:
     """Why a pass cannot take the Hopper kernels for these device arrays (dout: the backward's; out: the
     forward's, which it stores by TMA, where the caller gives one; empty when it can); it then runs the
-    portable ones."""
+    portable ones. float32 takes the Hopper forward (`forward`) at `precision` "high"."""
     if reasons := hopper_device_reasons(q.device[1]):
         return reasons
-    if q.dtype not in build.HALF_DTYPES:
+    if q.dtype == "float32" and not forward:
         return [FLOAT32_ON_HOPPER]
+    if q.dtype == "float32" and precision != "high":
+        return [FLOAT32_HIGHEST_ON_HOPPER]
     if q.shape[3] not in tuning.HOPPER_HEAD_DIMS:
         return [f"the Hopper kernels take head dims {tuning.HOPPER_HEAD_DIMS}, got {q.shape[3]}"]
     named = (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out))
@@ -134,5 +140,5 @@ def hopper_reasons(q, k, v, dout=None, out=None) -> list[str]:
 def tma_reasons(name: str, t) -> list[str]:
     return [
         f"TMA cannot copy {name}: {reason}"
-        for reason in tma.reasons(tuple(t.shape), tuple(t.strides), tma.ITEMSIZE, t.data_ptr % 16)
+        for reason in tma.reasons(tuple(t.shape), tuple(t.strides), tma.ITEMSIZES[t.dtype], t.data_ptr % 16)
     ]

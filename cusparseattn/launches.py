@@ -58,12 +58,12 @@ def _offset(field: str) -> int:
 
 
 # The arrays a pass reads and writes, in the order of their pointers, which open Params.
-ARRAYS = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv", "stats")
+ARRAYS = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv", "stats", "vt")
 # The Params field of each array's first stride, and how many strides it has.
 _STRIDES = {
     "q": ("q_sb", 3), "k": ("k_sb", 3), "v": ("v_sb", 3), "out": ("o_sb", 3), "lse": ("lse_sb", 2),
     "dout": ("do_sb", 3), "dq": ("dq_sb", 3), "dk": ("dk_sb", 3), "dv": ("dv_sb", 3),
-    "stats": ("stats_sb", 3),
+    "stats": ("stats_sb", 3), "vt": ("vt_sb", 3),
 }  # fmt: skip
 _SIZES = _offset("seq_q")  # seq_q, seq_k, heads_q, group: four int32 in a row
 _SCALE = _offset("scale")
@@ -152,8 +152,9 @@ class Pass:
 class Bound:
     """A pass's launches over arrays described as `arrays` are (name -> holder, in `ARRAYS` order, any of
     them): the parameters with every stride packed, and the geometry of the TMA descriptors of the `rows`
-    arrays (a Hopper kernel's: tiles of ``rows[name]`` rows). A launch's arguments (the parameters with the
-    arrays' addresses, then the descriptors) are built once per tuple of addresses and kept, up to `KEPT`,
+    arrays (a Hopper kernel's: tiles of ``rows[name]`` rows, or (rows, panels): `tma.geometry`). A launch's
+    arguments (the parameters with the arrays' addresses, then the descriptors) are built once per tuple of
+    addresses and kept, up to `KEPT`,
     all forgotten at once when one more comes: PyTorch's allocator hands the same few addresses back step
     after step, so that a prepared call's launch is one lookup and the driver's call. A prepared call's host
     time is the budget: writing the addresses and descriptors into the arguments at each launch made a
@@ -176,8 +177,9 @@ class Bound:
         self._pointers = "<" + "".join("Q" if name in arrays else "8x" for name in ARRAYS[: last + 1])
         slots = {name: i for i, name in enumerate(arrays)}
         self._maps = tuple(
-            (slots[name], (tuple(arrays[name].shape), tuple(arrays[name].strides), arrays[name].dtype, count))
-            for name, count in rows.items()
+            (slots[name], (tuple(a.shape), tuple(a.strides), a.dtype, *_box(box)))
+            for name, box in rows.items()
+            for a in (arrays[name],)
         )
         self._target = (launch.function.kernel.ptr, launch.grid, launch.block, launch.shared)
         self._arguments: dict[tuple, tuple] = {}
@@ -206,6 +208,11 @@ class Bound:
             self._arguments.clear()
         self._arguments[addresses] = arguments = (table, values)
         return arguments
+
+
+def _box(box) -> tuple:
+    """A TMA box as `tma.descriptor` takes it: rows, or (rows, panels)."""
+    return box if isinstance(box, tuple) else (box,)
 
 
 def struct_arguments(params: bytes) -> tuple:

@@ -118,9 +118,11 @@ class CudaBackend(Backend):
         from . import devices
 
         how = _FLOAT32_HOW[inputs.precision]
-        # A Hopper GPU runs float32 on the portable kernels too (devices.FLOAT32_ON_HOPPER).
-        hopper = not devices.hopper_device_reasons(inputs.device[1])
-        return f"{where}, float32 {how}, portable kernels" + " (Hopper's take half precision)" * hopper
+        # A Hopper GPU runs float32's forward in TF32 on its kernel, the backward on the portable ones
+        # (devices.FLOAT32_ON_HOPPER), and both there at "highest".
+        hopper = not devices.hopper_device_reasons(inputs.device[1]) and inputs.precision == "high"
+        kernels = "Hopper forward, portable backward" if hopper else "portable kernels"
+        return f"{where}, float32 {how}, {kernels}"
 
     def forward(self, inputs):
         return self.prepare_forward(inputs).run(inputs)

@@ -1,8 +1,10 @@
 """TMA descriptors (the driver's CUtensorMap) for the Hopper kernels, encoded through the driver API.
 
 A kernel copies [rows x D] tiles of a [B, H, S, D] array with one TMA instruction. The tile lands in shared
-memory as D / 64 panels of [rows x 64] elements with the 128-byte swizzle that wgmma reads, so the map
-describes the array as five dimensions, fastest first: (64, S, D / 64, H, B). Rows past S read as zeros.
+memory as D / P panels of [rows x P] elements with the 128-byte swizzle that wgmma reads (P = 128 bytes of
+elements: 64 in half precision, 32 in float32), so the map describes the array as five dimensions, fastest
+first: (P, S, D / P, H, B). Rows past S read as zeros. A box may take fewer panels than D / P: float32's
+forward copies key tiles of V's transposed copy, [B, H, D, S], so.
 """
 
 from __future__ import annotations
@@ -16,24 +18,30 @@ import numpy as np
 TENSOR_MAP = np.dtype([("opaque", np.uint64, (16,))])
 
 # CUtensorMapDataType, CUtensorMapSwizzle and CUtensorMapL2promotion values (cuda.h).
-_DATA_TYPES = {"float16": 6, "bfloat16": 9}
+# float32 is copied as TF32 (CU_TENSOR_MAP_DATA_TYPE_TFLOAT32), which the copy rounds to nearest as the
+# portable kernels' cvt.rna does (float32's type lets wgmma truncate: an lse 1.5e-3 low at S = 4096).
+_DATA_TYPES = {"float16": 6, "bfloat16": 9, "float32": 11}
+ITEMSIZES = {"float16": 2, "bfloat16": 2, "float32": 4}
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
-ITEMSIZE = 2  # float16 and bfloat16
-PANEL = 64  # elements per 128-byte swizzled row
+ROW_BYTES = 128  # a swizzled row
 
 
-def geometry(shape, strides, itemsize: int, rows: int):
+def panel(itemsize: int) -> int:
+    """Elements of a 128-byte swizzled row."""
+    return ROW_BYTES // itemsize
+
+
+def geometry(shape, strides, itemsize: int, rows: int, panels: int | None = None):
     """(dims, byte strides of dims 1-4, box) of the map over a [B, H, S, D] array with these element
-    strides, for tiles of `rows` rows."""
+    strides, for tiles of `rows` rows and `panels` panels (all D / P of them where None)."""
     batch, heads, seq, dim = shape
+    width = panel(itemsize)
     sb, sh, ss, _ = (s * itemsize for s in strides)
-    dims = (PANEL, seq, dim // PANEL, heads, batch)
+    dims = (width, seq, dim // width, heads, batch)
     # A dimension of size 1 is never stepped along: any legal stride does (broadcast arrays have stride 0).
-    byte_strides = tuple(
-        s if n > 1 else 16 for s, n in zip((ss, PANEL * itemsize, sh, sb), dims[1:], strict=True)
-    )
-    box = (PANEL, rows, dim // PANEL, 1, 1)
+    byte_strides = tuple(s if n > 1 else 16 for s, n in zip((ss, ROW_BYTES, sh, sb), dims[1:], strict=True))
+    box = (width, rows, dim // width if panels is None else panels, 1, 1)
     return dims, byte_strides, box
 
 
@@ -44,8 +52,8 @@ def reasons(shape: tuple, strides: tuple, itemsize: int, data_ptr: int) -> tuple
     out = []
     if any(s == 0 and n > 1 for s, n in zip(strides[:3], shape[:3], strict=True)):
         out.append(f"it is broadcast (strides {tuple(strides)} in elements)")
-    if shape[3] % PANEL:
-        out.append(f"its head dim {shape[3]} is not a multiple of {PANEL}")
+    if shape[3] % panel(itemsize):
+        out.append(f"its head dim {shape[3]} is not a multiple of {panel(itemsize)}")
     if data_ptr % 16:
         out.append(f"its data is not 16-byte aligned (address = {data_ptr % 16} mod 16)")
     if strides[3] != 1 or any((s * itemsize) % 16 or s < 0 for s in strides[:3]):
@@ -66,23 +74,25 @@ def _encode_function():
     return fn
 
 
-def tile_map(holder, rows: int) -> np.void:
+def tile_map(holder, rows: int, panels: int | None = None) -> np.void:
     """The descriptor of `holder` (a cusparseattn.arrays holder of a [B, H, S, D] device array) for tiles of
-    `rows` rows, as a kernel argument."""
-    return _tile_map(holder.data_ptr, tuple(holder.shape), tuple(holder.strides), holder.dtype, rows)
+    `rows` rows and `panels` panels (`geometry`), as a kernel argument."""
+    return _tile_map(holder.data_ptr, tuple(holder.shape), tuple(holder.strides), holder.dtype, rows, panels)
 
 
-def descriptor(data_ptr: int, shape: tuple, strides: tuple, dtype: str, rows: int) -> bytes:
-    """The descriptor of a [B, H, S, D] array of this geometry at `data_ptr`, for tiles of `rows` rows, as the
-    bytes of a kernel argument."""
-    return _tile_map(data_ptr, shape, strides, dtype, rows).tobytes()
+def descriptor(
+    data_ptr: int, shape: tuple, strides: tuple, dtype: str, rows: int, panels: int | None = None
+) -> bytes:
+    """The descriptor of a [B, H, S, D] array of this geometry at `data_ptr`, for tiles of `rows` rows and
+    `panels` panels (`geometry`), as the bytes of a kernel argument."""
+    return _tile_map(data_ptr, shape, strides, dtype, rows, panels).tobytes()
 
 
 @functools.lru_cache(maxsize=256)
-def _tile_map(data_ptr: int, shape: tuple, strides: tuple, dtype: str, rows: int) -> np.void:
+def _tile_map(data_ptr: int, shape: tuple, strides: tuple, dtype: str, rows: int, panels) -> np.void:
     # The descriptor holds the address and the geometry only: a reused address with the same geometry
     # gets the same descriptor, so caching by them is exact.
-    dims, byte_strides, box = geometry(shape, strides, ITEMSIZE, rows)
+    dims, byte_strides, box = geometry(shape, strides, ITEMSIZES[dtype], rows, panels)
     # CUtensorMap is 64-byte aligned: encode into an aligned slice of a larger buffer.
     raw = np.zeros(TENSOR_MAP.itemsize + 64, np.uint8)
     start = -raw.ctypes.data % 64

@@ -55,12 +55,18 @@ TILES = {
     # The Hopper forward's split rows (schedule.work_order), by its query tiles: edge_tiles of its own and
     # of its WIDE_TILES.
     "forward_combine": {64: [(128, 64, 8), (192, 64, 12)], 128: [(128, 64, 8)]},
+    # float32's Hopper forward: V transposed first, a CTA for each 32 keys of 32 of its head dims.
+    "forward_vt": {128: [(32, 32, 8)]},
 }
-# float32 (TF32 tensor cores) runs the portable passes: its shared rows take twice the bytes of fp16's, so
-# for the same head dim its tiles are a size smaller where fp16's would not fit (an H100's 227 KiB first, then
-# an A100's 163 and sm_86/89's 99); its accumulators are fp16's, and its fragments kept in registers twice
-# fp16's (the kernels keep them in shared memory past 256 bytes a row).
+# float32 (TF32 tensor cores): its shared rows take twice the bytes of fp16's, so for the same head dim its
+# tiles are a size smaller where fp16's would not fit (an H100's 227 KiB first, then an A100's 163 and
+# sm_86/89's 99); its accumulators are fp16's, and its fragments kept in registers twice fp16's (the portable
+# kernels keep them in shared memory past 256 bytes a row). The Hopper forward takes key tiles of 64 at head
+# dim 128, where its Q tile alone is 64 KiB.
 FLOAT32_TILES = {
+    "forward_sm90": {64: [(128, 128, 12)], 128: [(128, 64, 12)]},
+    "forward_combine": {64: [(128, 64, 8)], 128: [(128, 64, 8)]},
+    "forward_vt": TILES["forward_vt"],
     "forward": {
         64: [(128, 64, 8), (64, 64, 4)],
         128: [(128, 64, 8), (128, 32, 8), (64, 32, 4)],
@@ -89,7 +95,7 @@ HIGHEST_TILES = {
     "backward_dkdv": {64: [(32, 128, 8), (32, 64, 4)], 128: [(16, 128, 8), (16, 64, 4), (16, 32, 2)]},
 }
 # Passes that read no layout and no score mod: one kernel serves every layout (cuda.py builds them plain).
-PLAIN = ("backward_stats", "backward_dq_convert", "forward_combine")
+PLAIN = ("backward_stats", "backward_dq_convert", "forward_combine", "forward_vt")
 # Hopper kernels (sm_90a: TMA, wgmma, a producer warpgroup) take head dims of whole 64-element panels.
 HOPPER_HEAD_DIMS = (64, 128)
 # Buffers of each Hopper pass's ring (hopper.cuh's STAGES; the forward's of K, forward_v_stages gives V's):
@@ -139,11 +145,11 @@ def fused_kv_buffers(head_dim: int, tiles: tuple[int, int, int]) -> int:
     return 2 if head_dim <= 64 and tiles[0] <= 64 else 1
 
 
-def forward_q_buffers(head_dim: int, tiles: tuple[int, int, int]) -> int:
+def forward_q_buffers(head_dim: int, tiles: tuple[int, int, int], itemsize: int = 2) -> int:
     """The Hopper forward's Q buffers (its Q_BUFFERS): two, so that the next item's Q is copied while this one
-    runs (short rows, a narrow window, notice), but one with key tiles of 192 at head dim 128, where two
-    buffers of K and of V take the rest of the 227 KiB."""
-    return 1 if head_dim > 64 and tiles[1] > 128 else 2
+    runs (short rows, a narrow window, notice), but one at head dim 128 with key tiles of 192, where two
+    buffers of K and of V take the rest of the 227 KiB, and in float32, whose Q tile is 64 KiB there."""
+    return 1 if head_dim > 64 and (tiles[1] > 128 or itemsize > 2) else 2
 
 
 def forward_v_stages(head_dim: int, tiles: tuple[int, int, int]) -> int:
@@ -154,22 +160,22 @@ def forward_v_stages(head_dim: int, tiles: tuple[int, int, int]) -> int:
     return 3 if head_dim > 64 and tiles[1] <= 128 else HOPPER_STAGES["forward_sm90"]
 
 
-def forward_stage_out(head_dim: int, tiles: tuple[int, int, int]) -> bool:
+def forward_stage_out(head_dim: int, tiles: tuple[int, int, int], itemsize: int = 2) -> bool:
     """Whether the Hopper forward writes a row's output through its Q buffer and a TMA store (its STAGE_OUT)
     instead of from registers: with two Q buffers at head dim 128 and on the 192-row tiles at 64. From
     registers, a row's end costs nearly two tiles' time at head dim 128, most of it the stores; the 128-row
     tiles at head dim 64 gain nothing overall from staging and keep the stores from registers. The consumers
     issue their own stores: a storer thread of the producer warpgroup is slower (docs/tuning.md:
-    forward_stage_out)."""
-    return forward_q_buffers(head_dim, tiles) > 1 and (head_dim > 64 or tiles[0] > 128)
+    forward_stage_out). 16-bit elements only: the staging stores are stmatrix's."""
+    return itemsize == 2 and forward_q_buffers(head_dim, tiles) > 1 and (head_dim > 64 or tiles[0] > 128)
 
 
-def forward_q_rows(head_dim: int, tiles: tuple[int, int, int]) -> int:
+def forward_q_rows(head_dim: int, tiles: tuple[int, int, int], itemsize: int = 2) -> int:
     """The rows of each of the Hopper forward's Q copies (its Q_ROWS, and the box of cuda.Forward's q map):
     a consumer's 64 where out is staged (forward_stage_out), so that its rows of the tile, all panels, are
     the contiguous 64-row tile that the out map's stores read; the whole query tile elsewhere (two copies of
     64 are slower on the 128-row tiles at head dim 64, one panel)."""
-    return 64 if forward_stage_out(head_dim, tiles) else tiles[0]
+    return 64 if forward_stage_out(head_dim, tiles, itemsize) else tiles[0]
 
 
 def forward_split_steps(head_dim: int, tiles: tuple[int, int, int]) -> bool:
@@ -216,9 +222,9 @@ def barrier_sleeps(kernel: str) -> bool:
     return kernel == "forward_sm90"
 
 
-def switches(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> dict[str, int]:
-    """The tuning switches of a Hopper pass's build at this (padded) head dim and tiles, by the define the
-    prelude writes, in its order: the one table of which predicate above sets what for which pass.
+def switches(kernel: str, head_dim: int, tiles: tuple[int, int, int], itemsize: int = 2) -> dict[str, int]:
+    """The tuning switches of a Hopper pass's build at this (padded) head dim, tiles and element size, by the
+    define the prelude writes, in its order: the one table of which predicate above sets what for which pass.
 
     >>> switches("backward_sm90", 128, tile_config("backward_sm90", 128))
     {'STAGES': 2, 'DESC_ADD64': 1, 'BARRIER_SLEEPS': 0, 'KV_BUFFERS': 1}
@@ -232,10 +238,10 @@ def switches(kernel: str, head_dim: int, tiles: tuple[int, int, int]) -> dict[st
         table["KV_BUFFERS"] = fused_kv_buffers(head_dim, tiles)
     if kernel == "forward_sm90":
         table |= {
-            "Q_BUFFERS": forward_q_buffers(head_dim, tiles),
+            "Q_BUFFERS": forward_q_buffers(head_dim, tiles, itemsize),
             "V_STAGES": forward_v_stages(head_dim, tiles),
-            "STAGE_OUT": int(forward_stage_out(head_dim, tiles)),
-            "Q_ROWS": forward_q_rows(head_dim, tiles),
+            "STAGE_OUT": int(forward_stage_out(head_dim, tiles, itemsize)),
+            "Q_ROWS": forward_q_rows(head_dim, tiles, itemsize),
             "SPLIT_STEPS": int(forward_split_steps(head_dim, tiles)),
             "SCALED_MAX": int(forward_scaled_max(head_dim, tiles)),
             "LAGGING_MAX": int(forward_lagging_max(head_dim, tiles)),
@@ -255,10 +261,10 @@ def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int], itemsi
     if kernel in ARCH:  # the kernel's Shared struct (1024-aligned), and 1024 bytes to align it (not the fused
         # backward's, which fills the 227 KiB at head dim 64 and starts where dynamic shared memory does)
         stages, barrier = HOPPER_STAGES[kernel], 8  # an mbarrier is 8 bytes
-        q_buffers, v_stages = forward_q_buffers(head_dim, tiles), forward_v_stages(head_dim, tiles)
+        q_buffers, v_stages = forward_q_buffers(head_dim, tiles, itemsize), forward_v_stages(head_dim, tiles)
         payload = {
             # Q buffers; stages of K and V; full/empty barriers for each buffer of the three rings
-            "forward_sm90": 2 * head_dim * (q_buffers * tm + (stages + v_stages) * tn)
+            "forward_sm90": itemsize * head_dim * (q_buffers * tm + (stages + v_stages) * tn)
             + barrier * 2 * (q_buffers + stages + v_stages),
             # Q and dO; stages of K and V; barriers as the forward's
             "backward_dq_sm90": 2 * head_dim * (2 * tm + 2 * stages * tn) + barrier * (1 + 4 * stages),
@@ -310,7 +316,7 @@ def tile_config(
     padded = pad_head_dim(head_dim)
     tiles = WIDE_TILES.get(kernel, {}).get(padded)
     plain = not (score or bits or elementwise)
-    if wide and tiles and plain and shared_bytes(kernel, head_dim, tiles) <= max_shared:
+    if wide and tiles and plain and itemsize == 2 and shared_bytes(kernel, head_dim, tiles) <= max_shared:
         return tiles  # the Hopper forward's: half precision
     needs = {"score": score, "bits": bits}
     limits = [limit for need, limit in MAX_TILES.get(kernel, {}).items() if needs[need]]

@@ -21,7 +21,8 @@
 // tensor cores busy. Writes out [B, Hq, Sq, D] (o_map: tiles of 64 rows) and lse [B, Hq, Sq] as forward.cu
 // does. With SPLIT_ROWS, the deal's last rows may come as parts of their entries, dealt to several CTAs so
 // that no SM waits for a last round of few rows (schedule.work_order): a part's lse and out = acc / l go to its
-// slot of the scratch in fp32 (store_part), and forward_combine.cu then writes those rows.
+// slot of the scratch in fp32 (store_part), and forward_combine.cu then writes those rows. float32 runs on TF32
+// tensor cores, V read from its transposed copy (hopper.cuh: V_TRANSPOSED), which forward_vt.cu makes first.
 #include "hopper.cuh"
 
 using namespace csa;
@@ -36,8 +37,9 @@ constexpr unsigned Q_BYTES = TILE_M * HEAD_DIM * sizeof(elem_t);
 // times while the consumers' row ends hold the tensor cores idle. With one Q buffer the next row's Q waits in
 // it: the rows are written from registers.
 static_assert(!STAGE_OUT || Q_BUFFERS > 1, "out is staged in one Q buffer while the next row's Q is in the other");
-// Q_ROWS (tuning.forward_q_rows, also the q map's box): the rows of each Q copy, laid out as [HEAD_DIM / 64
-// panels][Q_ROWS rows][64]; a consumer's 64 where out is staged, so that its rows are the 64-row tile that
+static_assert(!STAGE_OUT || sizeof(elem_t) == 2, "out is staged by stmatrix, in 16-bit elements");
+// Q_ROWS (tuning.forward_q_rows, also the q map's box): the rows of each Q copy, laid out as [HEAD_DIM / PANEL
+// panels][Q_ROWS rows][PANEL]; a consumer's 64 where out is staged, so that its rows are the 64-row tile that
 // o_map's stores read.
 static_assert((Q_ROWS == 64 || Q_ROWS == TILE_M) && (!STAGE_OUT || Q_ROWS == 64),
               "a Q copy is a consumer's rows or the whole tile, and a consumer's where out is staged");
@@ -60,7 +62,7 @@ static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (CONSUMERS + 1) * LAU
 struct alignas(1024) Shared {
     elem_t q[Q_BUFFERS][TILE_M * HEAD_DIM];
     elem_t k[STAGES][TILE_N * HEAD_DIM];
-    elem_t v[V_STAGES][TILE_N * HEAD_DIM];
+    elem_t v[V_STAGES][TILE_N * HEAD_DIM];  // V_TRANSPOSED: [TILE_N / PANEL panels][HEAD_DIM][PANEL]
     Ring<Q_BUFFERS> q_ring;
     Ring<STAGES> k_ring;
     Ring<V_STAGES> v_ring;
@@ -114,11 +116,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     float o[HEAD_DIM / 8][4];
     OnlineSoftmax sm;
     float sc[TILE_N / 8][4];
-    unsigned pa[TILE_N / 16][4];
+    unsigned pa[TILE_N / MMA_K][4];
     float alpha[2];
     // The consumer's 64 rows of Q's use `q_use`: its own copy, or its rows of the first panel of the tile's.
     auto q_rows = [&](unsigned q_use) {
-        return sh.q[q_use % Q_BUFFERS] + consumer * 64 * (Q_ROWS == 64 ? HEAD_DIM : 64);
+        return sh.q[q_use % Q_BUFFERS] + consumer * 64 * (Q_ROWS == 64 ? HEAD_DIM : PANEL);
     };
     // Ring use `use` of K and V; Q's `q_use`.
     auto issue_scores_of = [&](unsigned q_use, unsigned use) {

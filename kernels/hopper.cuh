@@ -1,16 +1,21 @@
 // Hopper (sm_90a) tile primitives: barriers in shared memory, TMA tile copies, shared-memory matrix
 // descriptors and warpgroup MMAs. The names follow the algorithm; the PTX is in one place, here.
 //
-// Shared tiles are [HEAD_DIM / 64 panels][rows][64 elements]: 128-byte rows, 16-byte chunks swizzled with the
-// row (chunk ^= row % 8) by the TMA copy, each panel starting at a 1024-byte boundary. That is the
-// "128-byte swizzle" canonical layout wgmma reads without bank conflicts, K-major (Q, K: the reduction runs
-// along the row) or MN-major (V: the reduction runs across rows).
+// Shared tiles are [HEAD_DIM / PANEL panels][rows][PANEL elements]: 128-byte rows (64 fp16 / bf16 elements, 32
+// float32 ones), 16-byte chunks swizzled with the row (chunk ^= row % 8) by the TMA copy, each panel starting
+// at a 1024-byte boundary. That is the "128-byte swizzle" canonical layout wgmma reads without bank conflicts,
+// K-major (Q, K: the reduction runs along the row) or MN-major (V: the reduction runs across rows).
+//
+// float32 multiplies in TF32, whose wgmma reads both shared operands K-major only: P V then reads V's
+// transposed copy (forward_vt.cu), [head dims][keys], as a K-major B (V_TRANSPOSED).
 //
 // The builder adds to the prelude, for each N a kernel multiplies with (an asm operand list is fixed text):
 //   wgmma_ss<N>(float (&d)[N / 8][4], desc a, desc b, int accumulate)   D (+)= A B, both from shared memory
 //   wgmma_rs<N>(float (&d)[N / 8][4], const unsigned (&a)[4], desc b)    D += A B, A from registers, B MN-major
-// Both are m64nNk16 with fp32 accumulators: a warpgroup's 64 rows, a warp's 16 of them laid out as an
-// mma.sync accumulator, so the helpers of common.cuh (mask, score mod, softmax, stores) apply unchanged.
+//                                                                        (K-major for TF32)
+// Both are m64nNk16 (m64nNk8 for TF32: one step is 32 bytes of a row either way) with fp32 accumulators: a
+// warpgroup's 64 rows, a warp's 16 of them laid out as an mma.sync accumulator, so the helpers of common.cuh
+// (mask, score mod, softmax, stores) apply unchanged.
 #pragma once
 
 #include "common.cuh"
@@ -24,6 +29,10 @@ constexpr int THREADS = NWARPS * 32;
 constexpr int CONSUMERS = NWARPS / 4 - 1;
 static_assert(NWARPS % 4 == 0 && CONSUMERS >= 2, "one producer and two or more consumer warpgroups");
 static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM == HEAD_DIM_REAL, "tiles are whole 64-element panels");
+// Elements of a 128-byte swizzled row.
+constexpr int PANEL = 128 / sizeof(elem_t);
+// TF32's P V reads V transposed (forward_vt.cu).
+constexpr bool V_TRANSPOSED = CSA_DTYPE_F32;
 
 // A CUtensorMap (the driver's 128-byte opaque TMA descriptor), passed as a __grid_constant__ kernel argument.
 struct alignas(64) TensorMap {
@@ -126,14 +135,15 @@ __device__ __forceinline__ void fence_barrier_init() {
 
 // ---- TMA -----------------------------------------------------------------------------------------------------
 // Copies rows [row0, row0 + ROWS) of head `head`, batch `batch` of a [B, H, S, D] tensor into a shared tile
-// (all HEAD_DIM / 64 panels at once: the map's dims are (64, S, D / 64, H, B)); rows past the sequence are
-// zero-filled. Completes on `bar`, which must expect ROWS * HEAD_DIM elements.
+// (the map's box of panels from `panel0`: the map's dims are (PANEL, S, D / PANEL, H, B), its box all D / PANEL
+// panels, or a key tile's of V's transposed copy); rows past the sequence are zero-filled. Completes on `bar`,
+// which must expect the box's bytes.
 __device__ __forceinline__ void tma_load_tile(elem_t* dst, const TensorMap& map, Barrier& bar, int row0, int head,
-                                              int batch) {
+                                              int batch, int panel0 = 0) {
     asm volatile(
         "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
         " [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n" ::"r"(smem_address(dst)),
-        "l"(reinterpret_cast<unsigned long long>(&map)), "r"(0), "r"(row0), "r"(0), "r"(head), "r"(batch),
+        "l"(reinterpret_cast<unsigned long long>(&map)), "r"(0), "r"(row0), "r"(panel0), "r"(head), "r"(batch),
         "r"(smem_address(&bar))
         : "memory");
 }
@@ -174,9 +184,16 @@ __device__ __forceinline__ void stream_kv(const Params& p, Span span, int hk, in
                                           const TensorMap& v_map, Ring<K_DEPTH>& k_ring, Ring<V_DEPTH>& v_ring,
                                           unsigned first) {
     constexpr unsigned BYTES = ROWS * HEAD_DIM * sizeof(elem_t);
+    // V_TRANSPOSED: the key tile is the panels from k0 / PANEL of the copy's HEAD_DIM rows.
     auto load_v = [&](int i) {
         const unsigned use = first + i;
-        tma_load_tile(v[use % V_DEPTH], v_map, v_ring.fill(use, BYTES), p.entries[span.begin + i].x * ROWS, hk, b);
+        const int k0 = p.entries[span.begin + i].x * ROWS;
+        Barrier& full = v_ring.fill(use, BYTES);
+        if constexpr (V_TRANSPOSED) {
+            tma_load_tile(v[use % V_DEPTH], v_map, full, 0, hk, b, k0 / PANEL);
+        } else {
+            tma_load_tile(v[use % V_DEPTH], v_map, full, k0, hk, b);
+        }
     };
     for (int i = 0; i < span.count; ++i) {
         const int k0 = p.entries[span.begin + i].x * ROWS;
@@ -262,26 +279,44 @@ __device__ __forceinline__ void issue_ABt(float (&acc)[N / 8][4], const elem_t* 
     const unsigned long long da = smem_desc(a), db = smem_desc(b);
     wgmma_fence();
 #pragma unroll
-    for (int kd = 0; kd < HEAD_DIM / 16; ++kd) {
-        // Panel kd / 4; inside it, 16 elements (32 bytes) per step along the swizzled row.
-        const int panel = kd / 4, col = (kd % 4) * 16;
-        wgmma_ss<N>(acc, desc_plus(da, panel * A_ROWS * 64 + col), desc_plus(db, panel * N * 64 + col), kd > 0);
+    for (int kd = 0; kd < HEAD_DIM / MMA_K; ++kd) {
+        // Panel kd / 4; inside it, MMA_K elements (32 bytes) per step along the swizzled row.
+        const int panel = kd / 4, col = (kd % 4) * MMA_K;
+        wgmma_ss<N>(acc, desc_plus(da, panel * A_ROWS * PANEL + col), desc_plus(db, panel * N * PANEL + col),
+                    kd > 0);
     }
     wgmma_commit();
 }
 
-// acc (64 x HEAD_DIM) += P B: P (64 x K) as A fragments in registers, B a K-row shared tile read MN-major.
-// Issued as one group and left in flight; P must stay untouched until it lands.
+// acc (64 x HEAD_DIM) += P B: P (64 x K) as A fragments in registers, B a K-row shared tile read MN-major, or
+// (V_TRANSPOSED) a HEAD_DIM-row tile of K columns read K-major. Issued as one group and left in flight; P must
+// stay untouched until it lands.
 template <int K>
-__device__ __forceinline__ void issue_PB(float (&acc)[HEAD_DIM / 8][4], const unsigned (&pa)[K / 16][4],
+__device__ __forceinline__ void issue_PB(float (&acc)[HEAD_DIM / 8][4], const unsigned (&pa)[K / MMA_K][4],
                                          const elem_t* b) {
-    const unsigned long long db = smem_desc(b, K * 128);
+    const unsigned long long db = V_TRANSPOSED ? smem_desc(b) : smem_desc(b, K * 128);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) wgmma_rs<HEAD_DIM>(acc, pa[kk], desc_plus(db, kk * 16 * 64));
+    for (int kk = 0; kk < K / MMA_K; ++kk) {
+        const int step = V_TRANSPOSED ? (kk / 4) * HEAD_DIM * PANEL + (kk % 4) * MMA_K : kk * MMA_K * PANEL;
+        wgmma_rs<HEAD_DIM>(acc, pa[kk], desc_plus(db, step));
+    }
     wgmma_commit();
 }
 
+#if CSA_DTYPE_F32
+// Columns [8 kk, 8 kk + 8) of an fp32 accumulator (64 x K), each element times `factor` and rounded to TF32, as
+// the A fragment of one 8-deep step. The fragment holds a quad's columns t and t + 4 where the accumulator
+// holds 2t and 2t + 1; V's transposed copy orders each 8 keys so (forward_vt.cu), so that the accumulator's
+// registers are the fragment as they lie.
+template <int K>
+__device__ __forceinline__ void a_fragment(const float (&acc)[K / 8][4], int kk, float factor, unsigned (&frag)[4]) {
+    frag[0] = to_tf32(acc[kk][0] * factor);
+    frag[1] = to_tf32(acc[kk][2] * factor);
+    frag[2] = to_tf32(acc[kk][1] * factor);
+    frag[3] = to_tf32(acc[kk][3] * factor);
+}
+#else
 // Columns [16 kk, 16 kk + 16) of an fp32 accumulator (64 x K), each element times `factor`, as the A fragment
 // of one 16-deep step: the C layout of two adjacent 8-column tiles is the A layout of that step.
 template <int K>
@@ -291,12 +326,13 @@ __device__ __forceinline__ void a_fragment(const float (&acc)[K / 8][4], int kk,
     frag[2] = pack_u32(acc[2 * kk + 1][0] * factor, acc[2 * kk + 1][1] * factor);
     frag[3] = pack_u32(acc[2 * kk + 1][2] * factor, acc[2 * kk + 1][3] * factor);
 }
+#endif
 
 // An fp32 accumulator (64 x K) as the A fragments of a product with it.
 template <int K>
-__device__ __forceinline__ void to_a_fragments(const float (&acc)[K / 8][4], unsigned (&pa)[K / 16][4]) {
+__device__ __forceinline__ void to_a_fragments(const float (&acc)[K / 8][4], unsigned (&pa)[K / MMA_K][4]) {
 #pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) a_fragment<K>(acc, kk, 1.f, pa[kk]);
+    for (int kk = 0; kk < K / MMA_K; ++kk) a_fragment<K>(acc, kk, 1.f, pa[kk]);
 }
 
 // stmatrix: a warp's four 8 x 8 blocks of 16-bit elements (frag[j] of each lane: block j in the mma.sync
@@ -332,7 +368,7 @@ __device__ __forceinline__ void store_transposed(const unsigned (&frag)[N / 16][
 
 // Stores a warpgroup's 64 x HEAD_DIM accumulator, each element times `factor`, into `tile`: a 64-row shared
 // tile laid out as a TMA copy lands one ([HEAD_DIM / 64 panels][64 rows][64], swizzled), which tma_store_tile
-// then writes out. Each 8 x 8 block's rows are the swizzle's 16-byte chunks.
+// then writes out. Each 8 x 8 block's rows are the swizzle's 16-byte chunks. 16-bit elements (stmatrix).
 __device__ __forceinline__ void store_tile(const float (&acc)[HEAD_DIM / 8][4], float factor, elem_t* tile) {
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31, block = lane / 8;
     const int row = warp * 16 + 8 * (block & 1) + lane % 8;  // this lane's row of block `block`

@@ -47,8 +47,11 @@ CASES = [
     # outputs go to a scratch, and a combine pass writes the row.
     ("dense bf16 d128 split", torch.bfloat16, 128, 2, 2176, patterns.dense(block=128)),
     ("dense fp16 d64 wide split", torch.float16, 64, 1, 2048, patterns.dense(block=128)),
-    # float32 runs the portable passes on every GPU: TF32 ("high"), and split TF32 ("highest").
+    # float32: TF32 ("high": on Hopper its forward after V's transposed copy, padded past the keys) and
+    # split TF32 ("highest", the portable passes); its backward runs the portable passes on every GPU.
     ("causal fp32 high d64 ragged", torch.float32, 64, 2, 333, patterns.causal(block=64)),
+    ("random bits fp32 high d128", torch.float32, 128, 2, 300, None),
+    ("dense fp32 high d128 split", torch.float32, 128, 2, 2176, patterns.dense(block=128)),
     ("random bits fp32 highest d128", torch.float32, 128, 1, 200, None),
     ("local fp32 highest d40 bshd", torch.float32, 40, 2, 300, patterns.local(window=70, block=16)),
     # Dynamic layouts: tables built on the GPU from indices with padding, repeats, out-of-range entries and

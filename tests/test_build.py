@@ -300,7 +300,7 @@ BESIDE = {
 }
 
 
-@pytest.mark.parametrize("kernel", tuning.PLAIN)
+@pytest.mark.parametrize("kernel", sorted(BESIDE))
 def test_plain_passes_take_the_query_tiles_of_the_pass_beside_them_and_no_layout(kernel):
     """The fused backward's first and last passes address its dQ sums and counters by its query tiles, the
     forward's combine pass its split rows' parts: a spec for each of that pass's tilings (with a score mod,

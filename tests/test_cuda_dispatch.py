@@ -84,10 +84,10 @@ def launches(monkeypatch):
     monkeypatch.setenv("CUSPARSEATTN_FUSED_BACKWARD", "0")
     geometry, record = {}, []  # a stand-in descriptor's bytes -> the geometry it was encoded for
 
-    def encode(data_ptr, shape, strides, dtype, rows):
+    def encode(data_ptr, shape, strides, dtype, rows, panels):
         descriptor = np.zeros(1, tma.TENSOR_MAP)
         descriptor.view(np.uint64)[0] = len(geometry) + 1
-        geometry[descriptor.tobytes()] = tma.geometry(shape, strides, tma.ITEMSIZE, rows)
+        geometry[descriptor.tobytes()] = tma.geometry(shape, strides, tma.ITEMSIZES[dtype], rows, panels)
         return descriptor[0]
 
     monkeypatch.setattr(tma, "_tile_map", encode)
@@ -578,6 +578,45 @@ def _launched(launches) -> list:
     return made
 
 
+@pytest.mark.parametrize("sms", [132, 3])
+def test_a_float32_hopper_forward_makes_vs_transposed_copy_after_its_other_scratch(
+    launches, monkeypatch, sms
+):
+    """float32's Hopper forward lists V's transposed copy last among what a caller makes (after split rows'
+    scratch), and its launch over raw addresses (the copy's pass, the forward, the combine) is what `run`
+    launches on holders, which make both scratches through q's framework in that order."""
+    monkeypatch.setattr(devices, "compute_capability", lambda device: 90)
+    monkeypatch.setattr(devices, "sm_count", lambda device: sms)
+    seq, dim = (2176 if sms == 3 else 256), 128
+    layout = patterns.dense(block=128).layout(seq)
+    q = Holder((2, 4, seq, dim), "float32", address=0x40000000)
+    k, v = (Holder((2, 2, seq, dim), "float32", address=0x50000000 + 0x1000000 * i) for i in range(2))
+    out, lse = (
+        Holder(q.shape, "float32", address=0x60000000),
+        Holder((2, 4, seq), "float32", address=0x70000000),
+    )
+    forward = cuda.Forward(q, k, v, layout, 0.1)
+    split = [((forward.scratch), "float32")] if sms == 3 else []
+    assert forward.made == (
+        (q.shape, "float32"),
+        ((2, 4, seq), "float32"),
+        *split,
+        (cuda.vt_shape(k.shape), "float32"),
+    )
+    forward.run(q, k, v, out, lse)
+    on_holders = _launched(launches)
+    assert [name.split("_tf32")[0] for name, *_ in on_holders] == [
+        "forward_vt",
+        "forward_sm90",
+        *(["forward_combine"] if split else []),
+    ]
+    assert [m.shape for m in q.made] == [shape for shape, _ in split] + [cuda.vt_shape(k.shape)]
+    forward.launch(
+        0, (q.data_ptr, k.data_ptr, v.data_ptr, out.data_ptr, lse.data_ptr, *(m.data_ptr for m in q.made))
+    )
+    assert _launched(launches) == on_holders
+
+
 @pytest.mark.parametrize("hopper", [True, False])
 @pytest.mark.parametrize("sms", [132, 3])
 def test_direct_launches_over_addresses_are_what_runs_on_holders_launch(launches, monkeypatch, hopper, sms):
@@ -659,7 +698,12 @@ def test_a_launch_builds_its_arguments_once_per_tuple_of_addresses(launches, mon
 
 
 @pytest.mark.parametrize("precision", ["high", "highest"])
-def test_float32_runs_the_portable_passes_on_hopper_at_its_precision(launches, monkeypatch, precision):
+def test_float32_on_hopper_runs_its_forward_in_tf32_and_the_portable_backward(
+    launches, monkeypatch, precision
+):
+    """At "high" the Hopper forward multiplies in TF32, after a pass that copies V transposed into a scratch
+    that q's framework makes ([B, Hkv, D, Sk padded to 32]), read by TMA a key tile's panels of 32 keys at a
+    time; at "highest" the portable forward runs. The backward takes the portable passes either way."""
     monkeypatch.setattr(devices, "compute_capability", lambda device: 90)
     monkeypatch.setenv("CUSPARSEATTN_FUSED_BACKWARD", "1")
     seq, dim = 200, 128
@@ -674,13 +718,35 @@ def test_float32_runs_the_portable_passes_on_hopper_at_its_precision(launches, m
     cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, layout, 0.1, precision=precision)
     tag = {"high": "tf32", "highest": "tf32x3"}[precision]
     names = [name for name, *_ in launches]
-    assert [name.split(f"_{tag}_d128_")[0] for name in names] == ["forward", "backward_dq", "backward_dkdv"]
-    for (name, _, _, _, shared, _), kernel in zip(launches, build.FLOAT32_KERNELS, strict=True):
-        tiles = tuning.tile_config(kernel, dim, itemsize=4, highest=precision == "highest")
+    forward = ["forward_vt", "forward_sm90"] if precision == "high" else ["forward"]
+    assert [name.split(f"_{tag}_d")[0] for name in names] == [*forward, "backward_dq", "backward_dkdv"]
+    highest = precision == "highest"
+    for (name, _, _, _, shared, _), kernel in zip(
+        launches, [*forward, "backward_dq", "backward_dkdv"], strict=True
+    ):
+        tiles = tuning.tile_config(kernel, dim, itemsize=4, highest=highest and kernel not in tuning.ARCH)
         assert f"q{tiles[0]}k{tiles[1]}w{tiles[2]}" in name
         assert shared == tuning.shared_bytes(kernel, dim, tiles, 4) <= 227 * 1024
     # The kernels read every float32 row as the half ones do: strides in elements.
-    assert launches[0][3][0]["q_ss"] == dim
+    assert launches[len(forward) - 1][3][0]["q_ss"] == dim
+    if highest:
+        assert q.made == []
+        return
+    (_, copy_grid, _, (copied,), _, _), (_, _, _, (params, *_), _, maps) = launches[:2]
+    (vt,) = q.made
+    assert vt.shape == cuda.vt_shape(k.shape) == (1, 2, dim, 224) and vt.dtype == "float32"
+    assert copy_grid == (224 // 32, dim // 32, 2)  # 32 keys of 32 head dims a CTA
+    assert copied["vt"] == params["vt"] == vt.data_ptr and copied["v"] == v.data_ptr
+    assert (copied["vt_sh"], copied["vt_ss"]) == (dim * 224, 224)
+    tiles = tuning.tile_config("forward_sm90", dim, itemsize=4)
+    # q, k, then V's copy (its head dims are the rows, a key tile's panels the box), then out
+    assert [m[0] for m in maps] == [
+        (32, seq, dim // 32, 4, 1),
+        (32, seq, dim // 32, 2, 1),
+        (32, dim, 7, 2, 1),
+        (32, seq, dim // 32, 4, 1),
+    ]
+    assert maps[2][2] == (32, dim, tiles[1] // 32, 1, 1) and maps[0][2] == (32, tiles[0], dim // 32, 1, 1)
 
 
 def test_float32_reasons_name_the_portable_kernels_on_hopper(monkeypatch):
@@ -689,5 +755,9 @@ def test_float32_reasons_name_the_portable_kernels_on_hopper(monkeypatch):
     q = Holder((1, 2, 128, 64), "float32")
     assert devices.reasons("float32", 64) == []
     assert devices.hopper_reasons(q, q, q) == [devices.FLOAT32_ON_HOPPER]
+    assert devices.hopper_reasons(q, q, q, forward=True) == []
+    assert devices.hopper_reasons(q, q, q, forward=True, precision="highest") == [
+        devices.FLOAT32_HIGHEST_ON_HOPPER
+    ]
     assert devices.hopper_reasons(Holder((1, 2, 128, 64)), q, q) == []
     assert "float64" in devices.reasons("float64", 64)[0]

@@ -71,7 +71,7 @@ def test_plans_key_the_precision(unset, monkeypatch):
     assert plans.forward(q, q, q) is not first
 
 
-def test_float32_specs_name_their_precision_and_take_the_portable_passes():
+def test_float32_specs_name_their_precision():
     high = build.KernelSpec.make("forward", "float32", 64)
     highest = build.KernelSpec.make("forward", "float32", 64, precision="highest")
     assert high.name.startswith("forward_tf32_d64_") and highest.name.startswith("forward_tf32x3_d64_")
@@ -80,15 +80,22 @@ def test_float32_specs_name_their_precision_and_take_the_portable_passes():
     assert "#define CSA_DTYPE_F32 0" in build.KernelSpec.make("forward", "bfloat16", 64).prelude()
     assert high.shared_bytes == tuning.shared_bytes("forward", 64, high.tiles, 4) == 272 * (128 + 2 * 2 * 64)
     with pytest.raises(ValueError, match="float32 runs the passes"):
-        build.KernelSpec.make("forward_sm90", "float32", 64, tiles=(128, 128, 12))
+        build.KernelSpec.make("backward_sm90", "float32", 64, tiles=(128, 128, 12))
+    with pytest.raises(ValueError, match="multiplies float32 in TF32"):
+        build.KernelSpec.make("forward_sm90", "float32", 64, precision="highest")
+    with pytest.raises(ValueError, match="takes float32 only"):
+        build.KernelSpec.make("forward_vt", "bfloat16", 64)
     with pytest.raises(ValueError, match="precision 'highest' is float32's"):
         build.KernelSpec.make("forward", "bfloat16", 64, precision="highest")
     with pytest.raises(ValueError, match="precision must be one of"):
         build.KernelSpec.make("forward", "float32", 64, precision="medium")
 
 
+PORTABLE = [k for k in build.FLOAT32_KERNELS if k not in tuning.ARCH and k not in tuning.PLAIN]
+
+
 @pytest.mark.parametrize("highest", [False, True])
-@pytest.mark.parametrize("kernel", build.FLOAT32_KERNELS)
+@pytest.mark.parametrize("kernel", PORTABLE)
 def test_float32_tiles_fit_every_device(kernel, highest):
     """An H100's 227 KiB, an A100's 163 and sm_86/89's 99: each takes tiles of its table that fit, each head
     dim, and the largest device the first fitting ones."""
@@ -99,4 +106,4 @@ def test_float32_tiles_fit_every_device(kernel, highest):
             tm, tn, warps = tiles
             assert (tm if kernel != "backward_dkdv" else tn) == 16 * warps
     with pytest.raises(ValueError, match="takes 2-byte elements"):
-        tuning.tile_config("forward_sm90", 64, itemsize=4)
+        tuning.tile_config("backward_sm90", 64, itemsize=4)

@@ -109,13 +109,14 @@ def test_float32_highest_stays_at_float32s_rounding_over_long_sums(head_dim):
 
 
 def test_float32_runs_the_portable_backward_on_hopper(monkeypatch):
-    """The dQ and dK/dV passes of the portable kernels, not the fused Hopper backward (half precision)."""
+    """The dQ and dK/dV passes of the portable kernels, not the fused Hopper backward (half precision), after
+    the Hopper forward in TF32."""
     launched = hopper_path(monkeypatch, hopper=True)
     monkeypatch.setenv("CUSPARSEATTN_FUSED_BACKWARD", "1")
     rng = np.random.default_rng(9)
     q, k, v = random_qkv(rng, 1, 4, 2, 300, 300, 64, np.float32)
     assert_backward_matches(q, k, v, patterns.causal(block=64).layout(300), "float32", rng)
-    assert launched == ["forward", "backward_dq", "backward_dkdv"]
+    assert launched == ["forward_vt", "forward_sm90", "backward_dq", "backward_dkdv"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -81,15 +81,25 @@ def test_float32_highest_is_float32s_rounding_and_high_is_tf32s(head_dim):
     assert errors["highest"] < 1e-5 < 1e-4 < errors["high"] < 1e-2, errors
 
 
-def test_float32_runs_the_portable_forward_on_hopper(monkeypatch):
-    launched = hopper_path(monkeypatch, hopper=True)
+@pytest.mark.parametrize("precision", list(FLOAT32_BOUNDS))
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kind", ["dense", "causal", "random", "random_rule"])
+@pytest.mark.parametrize("hopper", [True, False], ids=["hopper", "portable"])
+def test_float32_on_both_kernels_of_a_hopper_gpu(hopper, kind, head_dim, precision, monkeypatch):
+    """At "high" the Hopper forward takes float32 in TF32, after the pass that copies V transposed; at
+    "highest", or with CUSPARSEATTN_HOPPER=0, the portable one runs. Against the reference on ragged lengths
+    (keys not a whole 32, the copy's padding), GQA and a [B, S, H, D] view."""
+    launched = hopper_path(monkeypatch, hopper)
     rng = np.random.default_rng(5)
-    q, k, v = random_qkv(rng, 1, 2, 2, 256, 256, 128, np.float32)
-    layout = patterns.causal(block=128).layout(256)
-    out, _ = run_forward(q, k, v, layout)
-    assert launched == ["forward"]
-    (out64, _), (out_lo, _) = forward_refs(q, k, v, layout, low="float16")
-    check_close("out", out, out64, out_lo, dtype="float16")
+    q, k, v = random_qkv(rng, 2, 4, 2, 300, 333, head_dim, np.float32, "bshd")
+    layout = layout_for(kind, rng, 2, 4, 300, 333, 64)
+    out, lse = run_forward(q, k, v, layout, precision=precision)
+    tf32 = hopper and precision == "high"
+    assert launched == (["forward_vt", "forward_sm90"] if tf32 else ["forward"])
+    bound = FLOAT32_BOUNDS[precision]
+    (out64, lse64), (out_lo, lse_lo) = forward_refs(q, k, v, layout, low=bound)
+    check_close("out", out, out64, out_lo, dtype=bound)
+    check_close("lse", lse, lse64, lse_lo, dtype="float32")
 
 
 @pytest.mark.parametrize("narrow", [True, False], ids=["int", "long_long"])

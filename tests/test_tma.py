@@ -16,6 +16,18 @@ def test_a_contiguous_array_is_five_dimensions_of_64_element_panels():
     assert box == (64, 128, 2, 1, 1)
 
 
+def test_float32_takes_panels_of_32_elements_and_a_box_may_take_some_of_them():
+    # V's transposed copy [B=1, Hkv=2, D=128, Sk padded=224] in float32: its head dims are the rows, and a
+    # key tile of 64 is two panels of 32 keys, the box that float32's Hopper forward copies.
+    dims, strides, box = tma.geometry((1, 2, 128, 224), (2 * 128 * 224, 128 * 224, 224, 1), 4, 128, 2)
+    assert dims == (32, 128, 7, 2, 1)
+    assert strides == (224 * 4, 128, 128 * 224 * 4, 16)
+    assert box == (32, 128, 2, 1, 1)
+    assert tma.panel(4) == 32 and tma.panel(2) == 64
+    assert "head dim 48 is not a multiple of 32" in tma.reasons((1, 1, 64, 48), (3072, 3072, 48, 1), 4, 0)[0]
+    assert tma.reasons((1, 1, 64, 96), (6144, 6144, 96, 1), 4, 0) == ()
+
+
 def test_a_bshd_view_keeps_its_strides():
     # x [B, S, H, D] seen as [B, H, S, D]: consecutive rows are H * D elements apart.
     x = np.empty((2, 50, 4, 64), np.float16).transpose(0, 2, 1, 3)
