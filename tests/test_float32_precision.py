@@ -107,3 +107,22 @@ def test_float32_tiles_fit_every_device(kernel, highest):
             assert (tm if kernel != "backward_dkdv" else tn) == 16 * warps
     with pytest.raises(ValueError, match="takes 2-byte elements"):
         tuning.tile_config("backward_sm90", 64, itemsize=4)
+
+
+@pytest.mark.parametrize(("head_dim", "q_buffers", "v_stages"), [(64, 2, 2), (128, 1, 3)])
+def test_float32s_hopper_forward_multiplies_in_tf32_and_reads_v_transposed(head_dim, q_buffers, v_stages):
+    """TF32's wgmma is m64nNk8 with both shared operands K-major: no transpose operand and no MN-major B;
+    out goes from registers (the staging stores are 16-bit), and one Q buffer of 64 KiB at head dim 128
+    leaves room for a third V buffer."""
+    spec = build.KernelSpec.make("forward_sm90", "float32", head_dim)
+    prelude = spec.prelude()
+    tm, tn, _ = spec.tiles
+    assert spec.name.startswith(f"forward_sm90_tf32_d{head_dim}_")
+    assert f"wgmma.mma_async.sync.aligned.m64n{tn}k8.f32.tf32.tf32" in prelude
+    assert f"wgmma.mma_async.sync.aligned.m64n{head_dim}k8.f32.tf32.tf32" in prelude
+    assert "k16" not in prelude and "void wgmma_ss_bmn<" not in prelude and "p, 1, 1;" in prelude
+    assert "#define STAGE_OUT 0" in prelude and f"#define Q_BUFFERS {q_buffers}" in prelude
+    assert f"#define V_STAGES {v_stages}" in prelude and f"#define Q_ROWS {tm}" in prelude
+    assert spec.shared_bytes == tuning.shared_bytes("forward_sm90", head_dim, spec.tiles, 4) <= 227 * 1024
+    copy = build.KernelSpec.make("forward_vt", "float32", head_dim)
+    assert copy.tiles == (32, 32, 8) and copy.shared_bytes == 0 and copy.arch is None
