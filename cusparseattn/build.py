@@ -195,15 +195,19 @@ def _wgmma_functions(ns: list[int], dtype: str) -> list[str]:
         f"template <int N> __device__ void wgmma_ss_bmn(float (&)[N / 8][4], {desc}, {desc}, int);",
         f"template <int N> __device__ void wgmma_rs(float (&)[N / 8][4], const unsigned (&)[4], {desc});",
     ]
-    tf32 = dtype == "float32"
     types, k = {"float16": ("f16.f16", 16), "bfloat16": ("bf16.bf16", 16), "float32": ("tf32.tf32", 8)}[dtype]
+    # The immediates after scale-d: scale-a and scale-b, then for 16-bit elements the transposes (of A and B
+    # from shared memory; of B alone beside A in registers).
+    if dtype == "float32":
+        shared, registers = [("wgmma_ss", "1, 1")], "1, 1"
+    else:
+        shared, registers = [("wgmma_ss", "1, 1, 0, 0"), ("wgmma_ss_bmn", "1, 1, 0, 1")], "1, 1, 1"
     for n in ns:
         regs = n // 2
         acc = ", ".join(f"%{i}" for i in range(regs))
         outs = ", ".join(f'"+f"(d[{i // 4}][{i % 4}])' for i in range(regs))
         op = f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{types}"
-        for name, trans_b in (("wgmma_ss", 0),) if tf32 else (("wgmma_ss", 0), ("wgmma_ss_bmn", 1)):
-            scales = "1, 1" if tf32 else f"1, 1, 0, {trans_b}"
+        for name, scales in shared:
             lines += [
                 f"template <> __device__ __forceinline__ void {name}<{n}>(float (&d)[{n // 8}][4], "
                 "unsigned long long a, unsigned long long b, int accumulate) {",
@@ -212,13 +216,12 @@ def _wgmma_functions(ns: list[int], dtype: str) -> list[str]:
                 f'                 : {outs} : "l"(a), "l"(b), "r"(accumulate));',
                 "}",
             ]
-        scales = "1, 1" if tf32 else "1, 1, 1"
         lines += [
             f"template <> __device__ __forceinline__ void wgmma_rs<{n}>(float (&d)[{n // 8}][4], "
             "const unsigned (&a)[4], unsigned long long b) {",
             f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{regs + 5}, 0;\\n'
             f"{op} {{{acc}}}, {{%{regs}, %{regs + 1}, %{regs + 2}, %{regs + 3}}}, %{regs + 4}, "
-            f'p, {scales};\\n}}\\n"',
+            f'p, {registers};\\n}}\\n"',
             f'                 : {outs} : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));',
             "}",
         ]

@@ -242,9 +242,9 @@ class Forward:
             main = make_pass(kernel, grid, tables, score, scale, tiles, work, q=q, k=k, precision=precision)
             self.launches = [main.bind(arrays, rows)]
             if transposed:
-                edges = tuning.tile_config("forward_vt", q.shape[3], itemsize=4)
-                grid = (self.transposed[3] // edges[0], q.shape[3] // edges[1], batch * k.shape[1])
-                copy = make_pass("forward_vt", grid, tables, None, scale, edges, q=q, k=k)
+                blocks = tuning.tile_config("forward_vt", q.shape[3], itemsize=4)  # keys, head dims, warps
+                grid = (self.transposed[3] // blocks[0], q.shape[3] // blocks[1], batch * k.shape[1])
+                copy = make_pass("forward_vt", grid, tables, None, scale, blocks, q=q, k=k)
                 self.launches.insert(0, copy.bind(arrays, {}))
             if splits:  # a warp for each query row of each split row (forward_combine.cu)
                 edges = tuning.edge_tiles(tiles)

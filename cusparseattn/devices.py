@@ -140,5 +140,5 @@ def hopper_reasons(q, k, v, dout=None, out=None, *, forward=False, precision="hi
 def tma_reasons(name: str, t) -> list[str]:
     return [
         f"TMA cannot copy {name}: {reason}"
-        for reason in tma.reasons(tuple(t.shape), tuple(t.strides), tma.ITEMSIZES[t.dtype], t.data_ptr % 16)
+        for reason in tma.reasons(tuple(t.shape), tuple(t.strides), build.DTYPES[t.dtype], t.data_ptr % 16)
     ]

@@ -154,11 +154,10 @@ class Bound:
     them): the parameters with every stride packed, and the geometry of the TMA descriptors of the `rows`
     arrays (a Hopper kernel's: tiles of ``rows[name]`` rows, or (rows, panels): `tma.geometry`). A launch's
     arguments (the parameters with the arrays' addresses, then the descriptors) are built once per tuple of
-    addresses and kept, up to `KEPT`,
-    all forgotten at once when one more comes: PyTorch's allocator hands the same few addresses back step
-    after step, so that a prepared call's launch is one lookup and the driver's call. A prepared call's host
-    time is the budget: writing the addresses and descriptors into the arguments at each launch made a
-    forward+backward step at S = 4096 wait on the host."""
+    addresses and kept, up to `KEPT`, all forgotten at once when one more comes: PyTorch's allocator hands
+    the same few addresses back step after step, so that a prepared call's launch is one lookup and the
+    driver's call. A prepared call's host time is the budget: writing the addresses and descriptors into
+    the arguments at each launch made a forward+backward step at S = 4096 wait on the host."""
 
     KEPT = 64
 

@@ -14,6 +14,8 @@ import functools
 
 import numpy as np
 
+from .build import DTYPES
+
 # The descriptor as a kernel argument: 128 opaque bytes (kernels/hopper.cuh's TensorMap).
 TENSOR_MAP = np.dtype([("opaque", np.uint64, (16,))])
 
@@ -21,7 +23,6 @@ TENSOR_MAP = np.dtype([("opaque", np.uint64, (16,))])
 # float32 is copied as TF32 (CU_TENSOR_MAP_DATA_TYPE_TFLOAT32), which the copy rounds to nearest as the
 # portable kernels' cvt.rna does (float32's type lets wgmma truncate: an lse 1.5e-3 low at S = 4096).
 _DATA_TYPES = {"float16": 6, "bfloat16": 9, "float32": 11}
-ITEMSIZES = {"float16": 2, "bfloat16": 2, "float32": 4}
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 ROW_BYTES = 128  # a swizzled row
@@ -92,7 +93,7 @@ def descriptor(
 def _tile_map(data_ptr: int, shape: tuple, strides: tuple, dtype: str, rows: int, panels) -> np.void:
     # The descriptor holds the address and the geometry only: a reused address with the same geometry
     # gets the same descriptor, so caching by them is exact.
-    dims, byte_strides, box = geometry(shape, strides, ITEMSIZES[dtype], rows, panels)
+    dims, byte_strides, box = geometry(shape, strides, DTYPES[dtype], rows, panels)
     # CUtensorMap is 64-byte aligned: encode into an aligned slice of a larger buffer.
     raw = np.zeros(TENSOR_MAP.itemsize + 64, np.uint8)
     start = -raw.ctypes.data % 64

@@ -87,7 +87,7 @@ def launches(monkeypatch):
     def encode(data_ptr, shape, strides, dtype, rows, panels):
         descriptor = np.zeros(1, tma.TENSOR_MAP)
         descriptor.view(np.uint64)[0] = len(geometry) + 1
-        geometry[descriptor.tobytes()] = tma.geometry(shape, strides, tma.ITEMSIZES[dtype], rows, panels)
+        geometry[descriptor.tobytes()] = tma.geometry(shape, strides, build.DTYPES[dtype], rows, panels)
         return descriptor[0]
 
     monkeypatch.setattr(tma, "_tile_map", encode)
