@@ -36,11 +36,21 @@ DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
 _DTYPE_NAMES = {"float16": "f16", "bfloat16": "bf16", "float32": "tf32"}
 #: The dtypes of every pass, the Hopper ones among them.
 HALF_DTYPES = ("float16", "bfloat16")
-#: The passes that take float32: the portable ones, and the Hopper forward with its split rows' combine pass
-#: and the transposed copy of V that its TF32 P V reads (wgmma's TF32 reads both operands K-major).
-FLOAT32_KERNELS = ("forward", "backward_dq", "backward_dkdv", "forward_sm90", "forward_combine", "forward_vt")
+#: The passes that take float32: the portable ones, and the Hopper forward (with its split rows' combine pass)
+#: and two-pass backward, with the transposed copies that their TF32 products read (wgmma's TF32 reads both
+#: operands K-major).
+FLOAT32_KERNELS = (
+    "forward",
+    "backward_dq",
+    "backward_dkdv",
+    "forward_sm90",
+    "forward_combine",
+    "backward_dq_sm90",
+    "backward_dkdv_sm90",
+    "transpose",
+)
 #: The passes that take float32 only.
-FLOAT32_ONLY = ("forward_vt",)
+FLOAT32_ONLY = ("transpose",)
 #: float32's precisions, as PyTorch names them: "high" multiplies in TF32 (10 bits of mantissa), "highest"
 #: in split TF32 (three products a multiply, float32's rounding).
 PRECISIONS = ("high", "highest")

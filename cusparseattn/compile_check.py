@@ -70,9 +70,9 @@ def all_specs() -> list[KernelSpec | RuleSpec]:
 
 def float32_specs(rules) -> list[KernelSpec]:
     """float32's specialisations, at each precision it takes: every pass that takes it
-    (`build.FLOAT32_KERNELS`; the Hopper forward at "high", with split rows, its combine and V's transposed
-    copy), head dim and mask kind, every smaller tile of its table (devices with less shared memory) with a
-    rule, and a score mod."""
+    (`build.FLOAT32_KERNELS`; the Hopper passes at "high", the forward with split rows, its combine and the
+    transposed copies), head dim and mask kind, every smaller tile of its table (devices with less shared
+    memory) with a rule, and a score mod."""
     specs = []
     for kernel in build.FLOAT32_KERNELS:
         if kernel in tuning.PLAIN:
@@ -89,7 +89,7 @@ def float32_specs(rules) -> list[KernelSpec]:
                 table = {**table, **tuning.HIGHEST_TILES.get(kernel, {})}
             specs += [spec(d, *rules[2], tiles=t) for d, candidates in table.items() for t in candidates[1:]]
             specs += [spec(d, *rules[2], score=SAMPLE_SCORE) for d in (64, 128)]
-            if hopper:
+            if kernel == "forward_sm90":
                 specs += [spec(d, *rules[2], split_rows=True) for d in dims]
     return specs
 

@@ -193,9 +193,9 @@ class Forward:
 
         batch, heads_q = q.shape[:2]
         self.device = device = q.device[1]
-        portable = tiles or devices.hopper_reasons(q, k, v, out=out, forward=True, precision=precision)
+        portable = tiles or devices.hopper_reasons(q, k, v, out=out, precision=precision)
         kernel = "forward" if portable else "forward_sm90"
-        # float32's Hopper forward reads V's transposed copy (forward_vt.cu), made first into a scratch.
+        # float32's Hopper forward reads V's transposed copy (transpose.cu), made first into a scratch.
         transposed = kernel == "forward_sm90" and q.dtype == "float32"
         itemsize = build.DTYPES[q.dtype]
         # The tables' uploads, on the stream of the first launch that reads them.
@@ -234,7 +234,7 @@ class Forward:
             if splits:
                 names += ("stats",)
                 made["stats"] = _Like(self.scratch, "float32")
-            self.transposed = vt_shape(k.shape) if transposed else None
+            self.transposed = transposed_shape(k.shape) if transposed else None
             if transposed:
                 names += ("vt",)
                 made["vt"] = _Like(self.transposed, "float32")
@@ -242,9 +242,7 @@ class Forward:
             main = make_pass(kernel, grid, tables, score, scale, tiles, work, q=q, k=k, precision=precision)
             self.launches = [main.bind(arrays, rows)]
             if transposed:
-                blocks = tuning.tile_config("forward_vt", q.shape[3], itemsize=4)  # keys, head dims, warps
-                grid = (self.transposed[3] // blocks[0], q.shape[3] // blocks[1], batch * k.shape[1])
-                copy = make_pass("forward_vt", grid, tables, None, scale, blocks, q=q, k=k)
+                copy = _transpose_pass(tables, scale, q, k, [self.transposed])
                 self.launches.insert(0, copy.bind(arrays, {}))
             if splits:  # a warp for each query row of each split row (forward_combine.cu)
                 edges = tuning.edge_tiles(tiles)
@@ -261,7 +259,10 @@ class Forward:
         """Writes `out` and `lse` on q's stream; `layout`: the call's, where the launch was made for a
         dynamic one's signature."""
         addresses = (q.data_ptr, k.data_ptr, v.data_ptr, out.data_ptr, lse.data_ptr)
-        addresses += tuple(scratch(q, shape, self.device).data_ptr for shape in self._scratches())
+        # Each scratch lives until the launches are queued: one freed before the next is made would be
+        # handed out again as that one.
+        scratches = [scratch(q, shape, self.device) for shape in self._scratches()]
+        addresses += tuple(s.data_ptr for s in scratches)
         run_launches(self.device, self._launches(layout), q.stream, addresses)
 
     def _scratches(self) -> tuple:
@@ -282,16 +283,26 @@ class Forward:
         """Writes out and lse on `stream` (a raw handle) over arrays at these addresses: q, k, v, out, lse,
         for a caller that lends its buffers and no allocator (XLA): a split deal's scratch comes from
         CuPy's pool. `layout` as `run`'s."""
-        addresses += tuple(pool_scratch(stream, shape, self.device).data.ptr for shape in self._scratches())
+        scratches = [pool_scratch(stream, shape, self.device) for shape in self._scratches()]  # as run's
+        addresses += tuple(s.data.ptr for s in scratches)
         run_launches(self.device, self._launches(layout), stream, addresses)
 
 
-def vt_shape(k_shape) -> tuple[int, int, int, int]:
-    """V's transposed copy that float32's Hopper forward reads (forward_vt.cu), for keys of this shape:
-    [B, Hkv, D, Sk padded to 32], whole panels of TF32's swizzled rows."""
-    batch, heads, seq, head_dim = k_shape
+def transposed_shape(shape) -> tuple[int, int, int, int]:
+    """The transposed copy that float32's Hopper passes read (transpose.cu) of an array of this shape
+    [B, H, S, D]: [B, H, D, S padded to 32], whole panels of TF32's swizzled rows."""
+    batch, heads, seq, head_dim = shape
     width = tma.panel(build.DTYPES["float32"])
     return batch, heads, head_dim, -(-seq // width) * width
+
+
+def _transpose_pass(tables, scale: float, q, k, shapes: list):
+    """The pass that makes the transposed copies of these shapes (transpose.cu: V's, or K's, Q's and dO's),
+    a CTA for each 32 rows of 32 head dims of each head."""
+    blocks = tuning.tile_config("transpose", q.shape[3], itemsize=4)  # rows, head dims, warps
+    rows, heads = max(shape[3] for shape in shapes), sum(shape[1] for shape in shapes)
+    grid = (rows // blocks[0], q.shape[3] // blocks[1], q.shape[0] * heads)
+    return make_pass("transpose", grid, tables, None, scale, blocks, q=q, k=k)
 
 
 # The backward's statistics scratch pads the query rows to whole tiles of every pass (the Hopper dK/dV pass
@@ -312,7 +323,7 @@ def stats_shape(q_shape, device: int, dtype: str = "bfloat16") -> tuple[int, int
 def fused_backward(head_dim: int, device: int, dtype: str = "bfloat16") -> bool:
     """Whether a Hopper backward of this head dim and dtype on this GPU runs fused (unless
     CUSPARSEATTN_FUSED_BACKWARD=0): dK, dV and dQ in one pass, between a statistics pass and a pass that
-    rounds dQ. Half precision only: float32 takes the portable passes."""
+    rounds dQ. Half precision only: float32 takes the dQ and dK/dV passes."""
     return (
         env.fused_backward()
         and dtype != "float32"
@@ -352,9 +363,10 @@ def backward(
     )
 
 
-def _backward_path(q, k, v, dout=None, dk=None, dv=None) -> tuple[bool, bool]:
-    """(Hopper passes, fused) of a backward for arrays described as these (those not given: C-contiguous)."""
-    hopper = not devices.hopper_reasons(q, k, v, dout)
+def _backward_path(q, k, v, precision: str, dout=None, dk=None, dv=None) -> tuple[bool, bool]:
+    """(Hopper passes, fused) of a backward for arrays described as these (those not given: C-contiguous),
+    float32's at `precision`."""
+    hopper = not devices.hopper_reasons(q, k, v, dout, precision=precision)
     # The fused pass writes dK and dV through TMA too: given ones it cannot write take the two passes.
     written = (("dk", dk), ("dv", dv))
     writable = not any(devices.tma_reasons(name, t) for name, t in written if t is not None)
@@ -382,7 +394,7 @@ def prefetch_backward(q, k, v, layout: BlockLayout, score_mod=None, precision: s
     if isinstance(layout, DynamicLayout):
         return
     device, precision = q.device[1], _precision(precision, q.dtype)
-    hopper, fused = _backward_path(q, k, v)
+    hopper, fused = _backward_path(q, k, v, precision)
     score = score_spec(score_mod)
     rule = plan.kernel_rule(layout)
     for kernel, tiles in _backward_kernels(layout, q, device, score, hopper, fused, precision):
@@ -419,17 +431,26 @@ class Backward:
                 f"{tuple(stats.shape)} (CUSPARSEATTN_FUSED_BACKWARD changes the rows: set it before making "
                 "the scratch)"
             )
-        self.hopper, fused = _backward_path(q, k, v, arrays.get("dout"), arrays.get("dk"), arrays.get("dv"))
+        given = (arrays.get(name) for name in ("dout", "dk", "dv"))
+        self.hopper, fused = _backward_path(q, k, v, self.precision, *given)
         self.dynamic = isinstance(layout, DynamicLayout)
         made = {name: _Like(q.shape, q.dtype) for name in ("out", "dout", "dq")}
         made |= {name: _Like(k.shape, k.dtype) for name in ("dk", "dv")}
         made |= {"lse": _Like(q.shape[:3], "float32"), "stats": _Like(self.stats_shape, "float32")}
-        self._arrays = _bound_arrays(ARRAYS[: ARRAYS.index("stats") + 1], dict(arrays, q=q, k=k, v=v), made)
-        # What a caller that makes the arrays itself makes for `launcher`, C-contiguous: dq, dk, dv, stats
-        # (shape, dtype name each). None when any was given: the passes are bound to theirs.
+        names = ARRAYS[: ARRAYS.index("stats") + 1]
+        # float32's Hopper passes read K's, Q's and dO's transposed copies (transpose.cu), made first into
+        # scratches.
+        tf32 = self.hopper and q.dtype == "float32"
+        copies = {"kt": k.shape, "qt": q.shape, "dot": q.shape} if tf32 else {}
+        made |= {name: _Like(transposed_shape(shape), "float32") for name, shape in copies.items()}
+        self.transposed = tuple(made[name].shape for name in copies)
+        self._arrays = _bound_arrays(names + tuple(copies), dict(arrays, q=q, k=k, v=v), made)
+        # What a caller that makes the arrays itself makes for `launcher`, C-contiguous: dq, dk, dv, stats,
+        # then the transposed copies' scratches (shape, dtype name each). None when any output was given: the
+        # passes are bound to theirs.
         outputs = ("dq", "dk", "dv", "stats")
         given = any(arrays.get(n) is not None for n in outputs) or self.dynamic
-        self.made = None if given else tuple((made[n].shape, made[n].dtype) for n in outputs)
+        self.made = None if given else tuple((made[n].shape, made[n].dtype) for n in (*outputs, *copies))
         # The tables' uploads, on the stream of the first launch that reads them (as the forward's).
         with cupy.cuda.Device(self.device), cupy_stream(q.stream):
             bind_device(self.device)
@@ -457,8 +478,14 @@ class Backward:
                 splits = 2 if head_dim > 128 else 1
                 grid = (tables.plan.tiles_k, k.shape[1] * splits, batch)
             rows = _tma_rows(tiles, _BACKWARD_MAPS) if self.hopper else {}
+            if self.transposed:  # the copies' boxes: all their rows (head dims), a tile's panels
+                dq_pass = kernel.startswith("backward_dq")
+                names, tile = (("kt",), tiles[1]) if dq_pass else (("qt", "dot"), tiles[0])
+                rows |= dict.fromkeys(names, (head_dim, tile // tma.panel(build.DTYPES[q.dtype])))
             made = make_pass(kernel, grid, tables, score, scale, tiles, q=q, k=k, precision=self.precision)
             passes.append((made, rows))
+        if self.transposed:
+            passes.insert(0, (_transpose_pass(tables, scale, q, k, list(self.transposed)), {}))
         return passes
 
     def _fused(self, q, k, layout: BlockLayout, score, scale: float, kernels: list) -> list:
@@ -515,11 +542,19 @@ class Backward:
         """Writes `dq`, `dk`, `dv` and the scratch `stats` on dout's stream; `layout`: the call's, where the
         passes were made for a dynamic one's signature."""
         addresses = tuple(a.data_ptr for a in (q, k, v, out, lse, dout, dq, dk, dv, stats))
-        self.run_at(dout.stream, addresses, dout, layout)
+        scratches = [scratch(q, shape, self.device) for shape in self.transposed]  # as Forward.run's
+        addresses += tuple(s.data_ptr for s in scratches)
+        self._run(dout.stream, addresses, dout, layout)
 
     def run_at(self, stream: int, addresses: tuple, dout, layout=None) -> None:
-        """`run` on `stream` (a raw handle) over arrays at these addresses, in `launcher`'s order, for douts
-        described as `dout` (which it accepts)."""
+        """`run` on `stream` (a raw handle) over arrays at these addresses, in `launcher`'s order up to
+        stats, for douts described as `dout` (which it accepts), for a caller that lends its buffers and no
+        allocator (XLA): the transposed copies' scratches come from CuPy's pool."""
+        scratches = [pool_scratch(stream, shape, self.device) for shape in self.transposed]  # as run's
+        addresses += tuple(s.data.ptr for s in scratches)
+        self._run(stream, addresses, dout, layout)
+
+    def _run(self, stream: int, addresses: tuple, dout, layout) -> None:
         launches = [*(_Refresh(t, layout) for t in self._tables), *self.passes(dout)]
         run_launches(self.device, launches, stream, addresses)
 

@@ -110,25 +110,24 @@ def hopper_device_reasons(device: int) -> list[str]:
     return []
 
 
-# Why float32 takes the portable kernels on a Hopper GPU: its backward, and its forward at "highest".
+# Where float32 runs on a Hopper GPU (`info`), and why it takes the portable kernels at "highest".
 FLOAT32_ON_HOPPER = (
-    "the Hopper backward takes float16 and bfloat16: float32's backward runs the portable kernels on TF32 "
-    "tensor cores (its forward runs the Hopper kernel, TF32's wgmma, at precision 'high')"
+    "the Hopper forward and backward on TF32's wgmma at precision 'high' (the backward's dQ and dK/dV "
+    "passes, not fused), reading transposed copies where a product reduces over an array's rows; the "
+    "portable kernels at 'highest'"
 )
 FLOAT32_HIGHEST_ON_HOPPER = (
-    "the Hopper forward multiplies float32 in TF32 (precision 'high'): at 'highest' (split TF32) float32 "
-    "runs the portable kernels"
+    "the Hopper kernels multiply float32 in TF32 (precision 'high'): at 'highest' (split TF32) float32 runs "
+    "the portable kernels"
 )
 
 
-def hopper_reasons(q, k, v, dout=None, out=None, *, forward=False, precision="high") -> list[str]:
+def hopper_reasons(q, k, v, dout=None, out=None, *, precision="high") -> list[str]:
     """Why a pass cannot take the Hopper kernels for these device arrays (dout: the backward's; out: the
     forward's, which it stores by TMA, where the caller gives one; empty when it can); it then runs the
-    portable ones. float32 takes the Hopper forward (`forward`) at `precision` "high"."""
+    portable ones. float32 takes them at `precision` "high"."""
     if reasons := hopper_device_reasons(q.device[1]):
         return reasons
-    if q.dtype == "float32" and not forward:
-        return [FLOAT32_ON_HOPPER]
     if q.dtype == "float32" and precision != "high":
         return [FLOAT32_HIGHEST_ON_HOPPER]
     if q.shape[3] not in tuning.HOPPER_HEAD_DIMS:

@@ -58,12 +58,13 @@ def _offset(field: str) -> int:
 
 
 # The arrays a pass reads and writes, in the order of their pointers, which open Params.
-ARRAYS = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv", "stats", "vt")
+ARRAYS = ("q", "k", "v", "out", "lse", "dout", "dq", "dk", "dv", "stats", "vt", "kt", "qt", "dot")
 # The Params field of each array's first stride, and how many strides it has.
 _STRIDES = {
     "q": ("q_sb", 3), "k": ("k_sb", 3), "v": ("v_sb", 3), "out": ("o_sb", 3), "lse": ("lse_sb", 2),
     "dout": ("do_sb", 3), "dq": ("dq_sb", 3), "dk": ("dk_sb", 3), "dv": ("dv_sb", 3),
-    "stats": ("stats_sb", 3), "vt": ("vt_sb", 3),
+    "stats": ("stats_sb", 3), "vt": ("vt_sb", 3), "kt": ("kt_sb", 3), "qt": ("qt_sb", 3),
+    "dot": ("dot_sb", 3),
 }  # fmt: skip
 _SIZES = _offset("seq_q")  # seq_q, seq_k, heads_q, group: four int32 in a row
 _SCALE = _offset("scale")

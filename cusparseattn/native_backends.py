@@ -118,10 +118,10 @@ class CudaBackend(Backend):
         from . import devices
 
         how = _FLOAT32_HOW[inputs.precision]
-        # A Hopper GPU runs float32's forward in TF32 on its kernel, the backward on the portable ones
-        # (devices.FLOAT32_ON_HOPPER), and both there at "highest".
+        # A Hopper GPU runs float32 in TF32 on its kernels (devices.FLOAT32_ON_HOPPER), and on the portable
+        # ones at "highest".
         hopper = not devices.hopper_device_reasons(inputs.device[1]) and inputs.precision == "high"
-        kernels = "Hopper forward, portable backward" if hopper else "portable kernels"
+        kernels = "Hopper kernels" if hopper else "portable kernels"
         return f"{where}, float32 {how}, {kernels}"
 
     def forward(self, inputs):

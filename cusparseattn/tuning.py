@@ -55,18 +55,22 @@ TILES = {
     # The Hopper forward's split rows (schedule.work_order), by its query tiles: edge_tiles of its own and
     # of its WIDE_TILES.
     "forward_combine": {64: [(128, 64, 8), (192, 64, 12)], 128: [(128, 64, 8)]},
-    # float32's Hopper forward: V transposed first, a CTA for each 32 keys of 32 of its head dims.
-    "forward_vt": {128: [(32, 32, 8)]},
+    # float32's Hopper passes: the transposed copies first, a CTA for each 32 rows of 32 of their head dims.
+    "transpose": {128: [(32, 32, 8)]},
 }
 # float32 (TF32 tensor cores): its shared rows take twice the bytes of fp16's, so for the same head dim its
 # tiles are a size smaller where fp16's would not fit (an H100's 227 KiB first, then an A100's 163 and
 # sm_86/89's 99); its accumulators are fp16's, and its fragments kept in registers twice fp16's (the portable
-# kernels keep them in shared memory past 256 bytes a row). The Hopper forward takes key tiles of 64 at head
-# dim 128, where its Q tile alone is 64 KiB.
+# kernels keep them in shared memory past 256 bytes a row). At head dim 128 the Hopper forward takes key tiles
+# of 64, where its Q tile alone is 64 KiB; the dQ pass key tiles of 32 beside Q and dO (128 KiB), in three
+# rings (K, V and K's transposed copy); the dK/dV pass 32 queries a use beside K and V (128 KiB) and a ring of
+# Q's and dO's transposed copies.
 FLOAT32_TILES = {
     "forward_sm90": {64: [(128, 128, 12)], 128: [(128, 64, 12)]},
+    "backward_dq_sm90": {64: [(128, 64, 12)], 128: [(128, 32, 12)]},
+    "backward_dkdv_sm90": {64: [(64, 128, 12)], 128: [(32, 128, 12)]},
     "forward_combine": {64: [(128, 64, 8)], 128: [(128, 64, 8)]},
-    "forward_vt": TILES["forward_vt"],
+    "transpose": TILES["transpose"],
     "forward": {
         64: [(128, 64, 8), (64, 64, 4)],
         128: [(128, 64, 8), (128, 32, 8), (64, 32, 4)],
@@ -95,7 +99,7 @@ HIGHEST_TILES = {
     "backward_dkdv": {64: [(32, 128, 8), (32, 64, 4)], 128: [(16, 128, 8), (16, 64, 4), (16, 32, 2)]},
 }
 # Passes that read no layout and no score mod: one kernel serves every layout (cuda.py builds them plain).
-PLAIN = ("backward_stats", "backward_dq_convert", "forward_combine", "forward_vt")
+PLAIN = ("backward_stats", "backward_dq_convert", "forward_combine", "transpose")
 # Hopper kernels (sm_90a: TMA, wgmma, a producer warpgroup) take head dims of whole 64-element panels.
 HOPPER_HEAD_DIMS = (64, 128)
 # Buffers of each Hopper pass's ring (hopper.cuh's STAGES; the forward's of K, forward_v_stages gives V's):
@@ -150,6 +154,20 @@ def forward_q_buffers(head_dim: int, tiles: tuple[int, int, int], itemsize: int 
     runs (short rows, a narrow window, notice), but one at head dim 128 with key tiles of 192, where two
     buffers of K and of V take the rest of the 227 KiB, and in float32, whose Q tile is 64 KiB there."""
     return 1 if head_dim > 64 and (tiles[1] > 128 or itemsize > 2) else 2
+
+
+def hopper_stages(kernel: str, itemsize: int = 2) -> int:
+    """The buffers of a Hopper pass's ring (its STAGES): `HOPPER_STAGES`', but two in float32's dK/dV pass,
+    whose 227 KiB hold a ring of Q's and dO's transposed copies too."""
+    return 2 if itemsize > 2 and kernel == "backward_dkdv_sm90" else HOPPER_STAGES[kernel]
+
+
+def transposed_stages(head_dim: int) -> int:
+    """float32's dK/dV pass's buffers of Q's and dO's transposed copies (its T_STAGES): two at head dim 64,
+    one at 128, where K and V take 128 KiB and two buffers of Q and dO another 64. A buffer goes back once
+    dV and dK have landed; Q's and dO's own go back once the scores have, so the next use's copies start
+    early."""
+    return 1 if head_dim > 64 else 2
 
 
 def forward_v_stages(head_dim: int, tiles: tuple[int, int, int]) -> int:
@@ -230,12 +248,14 @@ def switches(kernel: str, head_dim: int, tiles: tuple[int, int, int], itemsize: 
     {'STAGES': 2, 'DESC_ADD64': 1, 'BARRIER_SLEEPS': 0, 'KV_BUFFERS': 1}
     """
     table = {
-        "STAGES": HOPPER_STAGES[kernel],
+        "STAGES": hopper_stages(kernel, itemsize),
         "DESC_ADD64": int(descriptor_add64(kernel, tiles)),
         "BARRIER_SLEEPS": int(barrier_sleeps(kernel)),
     }
     if kernel == "backward_sm90":
         table["KV_BUFFERS"] = fused_kv_buffers(head_dim, tiles)
+    if kernel == "backward_dkdv_sm90" and itemsize > 2:
+        table["T_STAGES"] = transposed_stages(head_dim)
     if kernel == "forward_sm90":
         table |= {
             "Q_BUFFERS": forward_q_buffers(head_dim, tiles, itemsize),
@@ -260,18 +280,23 @@ def shared_bytes(kernel: str, head_dim: int, tiles: tuple[int, int, int], itemsi
         return row * (tm + 2 * 2 * tn)
     if kernel in ARCH:  # the kernel's Shared struct (1024-aligned), and 1024 bytes to align it (not the fused
         # backward's, which fills the 227 KiB at head dim 64 and starts where dynamic shared memory does)
-        stages, barrier = HOPPER_STAGES[kernel], 8  # an mbarrier is 8 bytes
+        stages, barrier = hopper_stages(kernel, itemsize), 8  # an mbarrier is 8 bytes
         q_buffers, v_stages = forward_q_buffers(head_dim, tiles, itemsize), forward_v_stages(head_dim, tiles)
+        # float32's backward passes stream transposed copies in rings of their own (K's in the dQ pass)
+        t_stages = transposed_stages(head_dim) if kernel == "backward_dkdv_sm90" else stages
+        t_stages *= itemsize > 2
         payload = {
             # Q buffers; stages of K and V; full/empty barriers for each buffer of the three rings
             "forward_sm90": itemsize * head_dim * (q_buffers * tm + (stages + v_stages) * tn)
             + barrier * 2 * (q_buffers + stages + v_stages),
-            # Q and dO; stages of K and V; barriers as the forward's
-            "backward_dq_sm90": 2 * head_dim * (2 * tm + 2 * stages * tn) + barrier * (1 + 4 * stages),
-            # K and V; stages of Q, dO and their two fp32 statistics; a barrier for K and V and the ring's
-            "backward_dkdv_sm90": 2 * head_dim * (2 * tn + 2 * stages * tm)
+            # Q and dO; stages of K, V (and K's copy); a barrier for Q and dO, the rings' full and empty
+            "backward_dq_sm90": itemsize * head_dim * (2 * tm + (2 * stages + t_stages) * tn)
+            + barrier * (1 + 4 * stages + 2 * t_stages),
+            # K and V; stages of Q, dO (and their copies) and their two fp32 statistics; a barrier for K and
+            # V and the rings'
+            "backward_dkdv_sm90": itemsize * head_dim * (2 * tn + 2 * (stages + t_stages) * tm)
             + stages * 2 * 4 * tm
-            + barrier * (1 + 2 * stages),
+            + barrier * (1 + 2 * stages + 2 * t_stages),
             # as the dK/dV pass's (K and V fused_kv_buffers times), and two dS tiles, two fp32 dQ shares,
             # eight 16-byte Visits; barriers: K and V full and empty, the shares' full and empty, the
             # Visits', the ring's

@@ -7,6 +7,9 @@
 // shared memory, P^T = exp(S^T - lse) and dS^T in registers, dV += P^T dO and dK += dS^T Q with both as
 // register fragments and Q, dO read MN-major. Both are written once: no atomics, and the heads of a group add
 // up in a fixed order, so two runs give the same bits. Keys no query attends to get zero gradients.
+// float32 runs on TF32 tensor cores: dV += P^T dO and dK += dS^T Q read dO's and Q's transposed copies
+// (hopper.cuh: B_TRANSPOSED), streamed through a second ring of T_STAGES buffers (tuning.transposed_stages),
+// and a (Q, dO) slot goes back once its scores have landed.
 #include "hopper.cuh"
 
 using namespace csa;
@@ -27,16 +30,28 @@ struct alignas(1024) Shared {
     elem_t v[TILE_N * HEAD_DIM];
     elem_t q[STAGES][TILE_M * HEAD_DIM];
     elem_t dout[STAGES][TILE_M * HEAD_DIM];
+#if CSA_DTYPE_F32
+    elem_t qt[T_STAGES][TILE_M * HEAD_DIM];  // [TILE_M / PANEL panels][HEAD_DIM][PANEL]
+    elem_t dot[T_STAGES][TILE_M * HEAD_DIM];
+#endif
     float stats[STAGES][2][TILE_M];  // the query tile's lse * log2(e) and delta (STAT_LSE2, STAT_DELTA)
     Barrier kv_full;
     Ring<STAGES> q_ring;  // Q, dO and their statistics
+#if CSA_DTYPE_F32
+    Ring<T_STAGES> t_ring;  // their transposed copies
+#endif
 };
 static_assert(sizeof(Shared) + 1024 == SHARED_BYTES, "the builder launches with the kernel's shared memory size");
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1)
     csa_backward_dkdv_sm90(const __grid_constant__ Params p, const __grid_constant__ TensorMap q_map,
                            const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map,
-                           const __grid_constant__ TensorMap do_map) {
+                           const __grid_constant__ TensorMap do_map
+#if CSA_DTYPE_F32
+                           ,
+                           const __grid_constant__ TensorMap qt_map, const __grid_constant__ TensorMap dot_map
+#endif
+    ) {
     extern __shared__ unsigned char smem_raw[];
     Shared& sh = aligned_shared<Shared>(smem_raw);
     if (threadIdx.x == 0 && dynamic_smem_size() < SHARED_BYTES) __trap();
@@ -49,6 +64,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     if (threadIdx.x == 0) {
         sh.kv_full.init(1);
         sh.q_ring.init(CONSUMERS * 128);
+#if CSA_DTYPE_F32
+        sh.t_ring.init(CONSUMERS * 128);
+#endif
         fence_barrier_init();
     }
     __syncthreads();
@@ -70,6 +88,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 // The dQ pass wrote the statistics over whole tiles of the padded length.
                 bulk_load(sh.stats[slot][STAT_LSE2], stat_row(p, b, h, STAT_LSE2) + q0, STAT_BYTES, full);
                 bulk_load(sh.stats[slot][STAT_DELTA], stat_row(p, b, h, STAT_DELTA) + q0, STAT_BYTES, full);
+#if CSA_DTYPE_F32
+                Barrier& t_full = sh.t_ring.fill(n, 2 * Q_BYTES);
+                tma_load_rows<true>(sh.qt[n % T_STAGES], qt_map, t_full, q0, h, b);
+                tma_load_rows<true>(sh.dot[n % T_STAGES], dot_map, t_full, q0, h, b);
+#endif
             }
         }
         return;
@@ -89,11 +112,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
     // n - 1 land before S^T_n is issued. Straight-line code around the waits keeps the products asynchronous.
     // Use n reads ring slot n % STAGES.
     float st[TILE_M / 8][4], dpt[TILE_M / 8][4];  // S^T (64 keys x TILE_M queries), dP^T
-    unsigned p_frag[TILE_M / 16][4], ds_frag[TILE_M / 16][4];
+    unsigned p_frag[TILE_M / MMA_K][4], ds_frag[TILE_M / MMA_K][4];
     auto issue_scores_of = [&](int n) {
         sh.q_ring.wait(n);
-        issue_ABt<TILE_M, TILE_N>(st, sh.k + keys * 64, sh.q[n % STAGES]);
-        issue_ABt<TILE_M, TILE_N>(dpt, sh.v + keys * 64, sh.dout[n % STAGES]);
+        issue_ABt<TILE_M, TILE_N>(st, sh.k + keys * PANEL, sh.q[n % STAGES]);
+        issue_ABt<TILE_M, TILE_N>(dpt, sh.v + keys * PANEL, sh.dout[n % STAGES]);
     };
     // P^T and dS^T of use n, in place of S^T and dP^T, once those have landed; with `behind`, the two gradient
     // products issued after them may still run (groups complete in order).
@@ -108,20 +131,31 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
         fence_operands(st, dpt);
         transposed_scores_to_ds<TILE_M>(p, st, dpt, lse2, delta, e.y >= 0, keep, scale_log2, b, h,
                                         TilePos<true>(p, q0, k_tile0, keys + warp * 16, lane), t);
+        if constexpr (B_TRANSPOSED) sh.q_ring.release(n);
     };
     auto to_fragments = [&] {
         to_a_fragments<TILE_M>(st, p_frag);
         to_a_fragments<TILE_M>(dpt, ds_frag);
     };
     auto issue_gradients_of = [&](int n) {
+#if CSA_DTYPE_F32
+        sh.t_ring.wait(n);
+        issue_PB<TILE_M>(dv, p_frag, sh.dot[n % T_STAGES]);
+        issue_PB<TILE_M>(dk, ds_frag, sh.qt[n % T_STAGES]);
+#else
         issue_PB<TILE_M>(dv, p_frag, sh.dout[n % STAGES]);
         issue_PB<TILE_M>(dk, ds_frag, sh.q[n % STAGES]);
+#endif
     };
-    // Waits for dV and dK of use n and hands its ring slot back; the fragments are free again.
+    // Waits for dV and dK of use n and hands the ring slot they read back; the fragments are free again.
     auto finish_gradients_of = [&](int n) {
         wgmma_wait<0>();
         fence_operands(dv, dk, p_frag, ds_frag);
+#if CSA_DTYPE_F32
+        sh.t_ring.release(n);
+#else
         sh.q_ring.release(n);
+#endif
     };
 
     ColumnWalk<false> walk(p, b, hk, tile_k);

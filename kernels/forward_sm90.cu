@@ -22,7 +22,7 @@
 // does. With SPLIT_ROWS, the deal's last rows may come as parts of their entries, dealt to several CTAs so
 // that no SM waits for a last round of few rows (schedule.work_order): a part's lse and out = acc / l go to its
 // slot of the scratch in fp32 (store_part), and forward_combine.cu then writes those rows. float32 runs on TF32
-// tensor cores, V read from its transposed copy (hopper.cuh: V_TRANSPOSED), which forward_vt.cu makes first.
+// tensor cores, V read from its transposed copy (hopper.cuh: B_TRANSPOSED), which transpose.cu makes first.
 #include "hopper.cuh"
 
 using namespace csa;
@@ -62,7 +62,7 @@ static_assert(PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (CONSUMERS + 1) * LAU
 struct alignas(1024) Shared {
     elem_t q[Q_BUFFERS][TILE_M * HEAD_DIM];
     elem_t k[STAGES][TILE_N * HEAD_DIM];
-    elem_t v[V_STAGES][TILE_N * HEAD_DIM];  // V_TRANSPOSED: [TILE_N / PANEL panels][HEAD_DIM][PANEL]
+    elem_t v[V_STAGES][TILE_N * HEAD_DIM];  // B_TRANSPOSED: [TILE_N / PANEL panels][HEAD_DIM][PANEL]
     Ring<Q_BUFFERS> q_ring;
     Ring<STAGES> k_ring;
     Ring<V_STAGES> v_ring;
@@ -102,8 +102,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 for (int r = 0; r < TILE_M; r += Q_ROWS)
                     tma_load_tile(sh.q[rows_done % Q_BUFFERS] + r * HEAD_DIM, q_map, q_full, row.q0 + r, row.h, row.b);
                 ++rows_done;
-                stream_kv<TILE_N, STAGES, V_STAGES, true>(p, span, row.h / p.group, row.b, sh.k, sh.v, k_map, v_map,
-                                                          sh.k_ring, sh.v_ring, uses);
+                stream_kv<TILE_N, STAGES, V_STAGES, true, B_TRANSPOSED>(p, span, row.h / p.group, row.b, sh.k,
+                                                                        sh.v, k_map, v_map, sh.k_ring, sh.v_ring,
+                                                                        uses);
                 uses += span.count;
             }
         }

@@ -6,8 +6,9 @@
 // at a 1024-byte boundary. That is the "128-byte swizzle" canonical layout wgmma reads without bank conflicts,
 // K-major (Q, K: the reduction runs along the row) or MN-major (V: the reduction runs across rows).
 //
-// float32 multiplies in TF32, whose wgmma reads both shared operands K-major only: P V then reads V's
-// transposed copy (forward_vt.cu), [head dims][keys], as a K-major B (V_TRANSPOSED).
+// float32 multiplies in TF32, whose wgmma reads both shared operands K-major only: a product P B that reduces
+// over B's rows (P V, dS K, P^T dO, dS^T Q) then reads B's transposed copy (transpose.cu), [head dims][rows],
+// as a K-major B (B_TRANSPOSED).
 //
 // The builder adds to the prelude, for each N a kernel multiplies with (an asm operand list is fixed text):
 //   wgmma_ss<N>(float (&d)[N / 8][4], desc a, desc b, int accumulate)   D (+)= A B, both from shared memory
@@ -31,8 +32,8 @@ static_assert(NWARPS % 4 == 0 && CONSUMERS >= 2, "one producer and two or more c
 static_assert(HEAD_DIM % 64 == 0 && HEAD_DIM == HEAD_DIM_REAL, "tiles are whole 64-element panels");
 // Elements of a 128-byte swizzled row.
 constexpr int PANEL = 128 / sizeof(elem_t);
-// TF32's P V reads V transposed (forward_vt.cu).
-constexpr bool V_TRANSPOSED = CSA_DTYPE_F32;
+// TF32's products P B read B transposed (transpose.cu).
+constexpr bool B_TRANSPOSED = CSA_DTYPE_F32;
 
 // A CUtensorMap (the driver's 128-byte opaque TMA descriptor), passed as a __grid_constant__ kernel argument.
 struct alignas(64) TensorMap {
@@ -148,6 +149,19 @@ __device__ __forceinline__ void tma_load_tile(elem_t* dst, const TensorMap& map,
         : "memory");
 }
 
+// Copies rows [row0, row0 + ROWS) of a [B, H, S, D] tensor as tma_load_tile does, or (TRANSPOSED) the same
+// rows of its transposed copy (transpose.cu: [B, H, D, S padded]): the panels from row0 / PANEL of its HEAD_DIM
+// rows, through a map whose box is ROWS / PANEL of them.
+template <bool TRANSPOSED>
+__device__ __forceinline__ void tma_load_rows(elem_t* dst, const TensorMap& map, Barrier& bar, int row0, int head,
+                                              int batch) {
+    if constexpr (TRANSPOSED) {
+        tma_load_tile(dst, map, bar, 0, head, batch, row0 / PANEL);
+    } else {
+        tma_load_tile(dst, map, bar, row0, head, batch);
+    }
+}
+
 // Copies `bytes` (a multiple of 16, from a 16-byte aligned address) into shared memory; completes on `bar`.
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, Barrier& bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
@@ -177,23 +191,18 @@ __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.w
 // of each entry of `span` into their rings (of K_DEPTH and V_DEPTH buffers), the next copy issued as soon as a
 // buffer is free. The rings have been used `first` times before (earlier work items of a persistent CTA).
 // K_AHEAD (the forward, whose step i multiplies by K_i and then V_{i-1}): each K tile is copied before the V
-// tile of the entry before it, in the order the consumers wait for them.
-template <int ROWS, int K_DEPTH, int V_DEPTH, bool K_AHEAD = false>
+// tile of the entry before it, in the order the consumers wait for them. V_T: V's tiles come from its
+// transposed copy (tma_load_rows).
+template <int ROWS, int K_DEPTH, int V_DEPTH, bool K_AHEAD, bool V_T>
 __device__ __forceinline__ void stream_kv(const Params& p, Span span, int hk, int b, elem_t (*k)[ROWS * HEAD_DIM],
                                           elem_t (*v)[ROWS * HEAD_DIM], const TensorMap& k_map,
                                           const TensorMap& v_map, Ring<K_DEPTH>& k_ring, Ring<V_DEPTH>& v_ring,
                                           unsigned first) {
     constexpr unsigned BYTES = ROWS * HEAD_DIM * sizeof(elem_t);
-    // V_TRANSPOSED: the key tile is the panels from k0 / PANEL of the copy's HEAD_DIM rows.
     auto load_v = [&](int i) {
         const unsigned use = first + i;
         const int k0 = p.entries[span.begin + i].x * ROWS;
-        Barrier& full = v_ring.fill(use, BYTES);
-        if constexpr (V_TRANSPOSED) {
-            tma_load_tile(v[use % V_DEPTH], v_map, full, 0, hk, b, k0 / PANEL);
-        } else {
-            tma_load_tile(v[use % V_DEPTH], v_map, full, k0, hk, b);
-        }
+        tma_load_rows<V_T>(v[use % V_DEPTH], v_map, v_ring.fill(use, BYTES), k0, hk, b);
     };
     for (int i = 0; i < span.count; ++i) {
         const int k0 = p.entries[span.begin + i].x * ROWS;
@@ -289,16 +298,16 @@ __device__ __forceinline__ void issue_ABt(float (&acc)[N / 8][4], const elem_t* 
 }
 
 // acc (64 x HEAD_DIM) += P B: P (64 x K) as A fragments in registers, B a K-row shared tile read MN-major, or
-// (V_TRANSPOSED) a HEAD_DIM-row tile of K columns read K-major. Issued as one group and left in flight; P must
+// (B_TRANSPOSED) a HEAD_DIM-row tile of K columns read K-major. Issued as one group and left in flight; P must
 // stay untouched until it lands.
 template <int K>
 __device__ __forceinline__ void issue_PB(float (&acc)[HEAD_DIM / 8][4], const unsigned (&pa)[K / MMA_K][4],
                                          const elem_t* b) {
-    const unsigned long long db = V_TRANSPOSED ? smem_desc(b) : smem_desc(b, K * 128);
+    const unsigned long long db = B_TRANSPOSED ? smem_desc(b) : smem_desc(b, K * 128);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < K / MMA_K; ++kk) {
-        const int step = V_TRANSPOSED ? (kk / 4) * HEAD_DIM * PANEL + (kk % 4) * MMA_K : kk * MMA_K * PANEL;
+        const int step = B_TRANSPOSED ? (kk / 4) * HEAD_DIM * PANEL + (kk % 4) * MMA_K : kk * MMA_K * PANEL;
         wgmma_rs<HEAD_DIM>(acc, pa[kk], desc_plus(db, step));
     }
     wgmma_commit();
@@ -307,7 +316,7 @@ __device__ __forceinline__ void issue_PB(float (&acc)[HEAD_DIM / 8][4], const un
 #if CSA_DTYPE_F32
 // Columns [8 kk, 8 kk + 8) of an fp32 accumulator (64 x K), each element times `factor` and rounded to TF32, as
 // the A fragment of one 8-deep step. The fragment holds a quad's columns t and t + 4 where the accumulator
-// holds 2t and 2t + 1; V's transposed copy orders each 8 keys so (forward_vt.cu), so that the accumulator's
+// holds 2t and 2t + 1; B's transposed copy orders each 8 rows so (transpose.cu), so that the accumulator's
 // registers are the fragment as they lie.
 template <int K>
 __device__ __forceinline__ void a_fragment(const float (&acc)[K / 8][4], int kk, float factor, unsigned (&frag)[4]) {

@@ -20,7 +20,10 @@ struct Params {
     float* stats;        // [B, Hq, 2 (+ HEAD_DIM + 1), padded Sq]: per query row lse * log2(e) and delta =
                          // rowsum(dout * out) (STAT_LSE2, STAT_DELTA), written by the dQ pass (or the
                          // statistics pass), read by the dK/dV pass; the fused backward's dQ sums after them
-    elem_t* vt;          // float32's Hopper forward: V transposed, [B, Hkv, D, Sk padded] (forward_vt.cu)
+    elem_t* vt;          // float32's Hopper passes: V, K, Q and dO transposed, [B, H, D, S padded]
+    elem_t* kt;          // (transpose.cu)
+    elem_t* qt;
+    elem_t* dot;
     long long q_sb, q_sh, q_ss;
     long long k_sb, k_sh, k_ss;
     long long v_sb, v_sh, v_ss;
@@ -32,6 +35,9 @@ struct Params {
     long long lse_sb, lse_sh;
     long long stats_sb, stats_sh, stats_sr;  // stats_sr: from one statistic to the next, the padded length
     long long vt_sb, vt_sh, vt_ss;
+    long long kt_sb, kt_sh, kt_ss;
+    long long qt_sb, qt_sh, qt_ss;
+    long long dot_sb, dot_sh, dot_ss;
     int seq_q, seq_k, heads_q, group;   // group = Hq / Hkv
     int layout_batch, layout_heads;      // 1 (shared) or B / Hq
     int tiles_q, tiles_k;

@@ -47,8 +47,8 @@ CASES = [
     # outputs go to a scratch, and a combine pass writes the row.
     ("dense bf16 d128 split", torch.bfloat16, 128, 2, 2176, patterns.dense(block=128)),
     ("dense fp16 d64 wide split", torch.float16, 64, 1, 2048, patterns.dense(block=128)),
-    # float32: TF32 ("high": on Hopper its forward after V's transposed copy, padded past the keys) and
-    # split TF32 ("highest", the portable passes); its backward runs the portable passes on every GPU.
+    # float32: TF32 ("high": on Hopper its forward and two-pass backward after the transposed copies they
+    # read, padded past the lengths) and split TF32 ("highest", the portable passes).
     ("causal fp32 high d64 ragged", torch.float32, 64, 2, 333, patterns.causal(block=64)),
     ("random bits fp32 high d128", torch.float32, 128, 2, 300, None),
     ("dense fp32 high d128 split", torch.float32, 128, 2, 2176, patterns.dense(block=128)),

@@ -601,16 +601,16 @@ def test_a_float32_hopper_forward_makes_vs_transposed_copy_after_its_other_scrat
         (q.shape, "float32"),
         ((2, 4, seq), "float32"),
         *split,
-        (cuda.vt_shape(k.shape), "float32"),
+        (cuda.transposed_shape(k.shape), "float32"),
     )
     forward.run(q, k, v, out, lse)
     on_holders = _launched(launches)
     assert [name.split("_tf32")[0] for name, *_ in on_holders] == [
-        "forward_vt",
+        "transpose",
         "forward_sm90",
         *(["forward_combine"] if split else []),
     ]
-    assert [m.shape for m in q.made] == [shape for shape, _ in split] + [cuda.vt_shape(k.shape)]
+    assert [m.shape for m in q.made] == [shape for shape, _ in split] + [cuda.transposed_shape(k.shape)]
     forward.launch(
         0, (q.data_ptr, k.data_ptr, v.data_ptr, out.data_ptr, lse.data_ptr, *(m.data_ptr for m in q.made))
     )
@@ -697,13 +697,50 @@ def test_a_launch_builds_its_arguments_once_per_tuple_of_addresses(launches, mon
     assert len(encoded) - before == maps
 
 
+class Reusing(Holder):
+    """A holder whose `empty` hands out again the address of an array it made that has been dropped, as a
+    caching allocator does."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.free, self.fresh = [], 0x30000000
+
+    def empty(self, shape, dtype):
+        if self.free:
+            address = self.free.pop()
+        else:
+            address, self.fresh = self.fresh, self.fresh + 0x1000000
+        made = Holder(shape, dtype, address=address)
+        weakref.finalize(made, self.free.append, address)
+        return made
+
+
+def test_a_calls_scratches_live_until_its_launches_are_queued(launches, monkeypatch):
+    """Each scratch of a call has its own memory: float32's Hopper backward makes three transposed copies
+    (Q's and dO's of one shape), and its forward with split rows two scratches, from q's allocator."""
+    monkeypatch.setattr(devices, "compute_capability", lambda device: 90)
+    monkeypatch.setattr(devices, "sm_count", lambda device: 3)  # the forward's deal splits rows
+    seq, dim = 2176, 128
+    q, dout, out, dq = (Reusing((2, 4, seq, dim), "float32", address=0x1000 * (i + 1)) for i in range(4))
+    k, v, dk, dv = (Holder((2, 2, seq, dim), "float32", address=0x10000 * (i + 1)) for i in range(4))
+    lse = Holder((2, 4, seq), dtype="float32", address=0x100000)
+    stats = Holder(cuda.stats_shape(q.shape, 0, "float32"), dtype="float32", address=0x200000)
+    layout = patterns.dense(block=128).layout(seq)
+    cuda.forward(q, k, v, out, lse, layout, 0.1)
+    cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, layout, 0.1)
+    names = [name.split("_tf32_d")[0] for name, *_ in launches]
+    assert names == ["transpose", "forward_sm90", "forward_combine", "transpose", *names[-2:]]
+    forward_args, backward_args = launches[0][3][0], launches[3][3][0]
+    assert forward_args["stats"] != forward_args["vt"]
+    assert len({int(backward_args[n]) for n in ("kt", "qt", "dot")}) == 3
+
+
 @pytest.mark.parametrize("precision", ["high", "highest"])
-def test_float32_on_hopper_runs_its_forward_in_tf32_and_the_portable_backward(
-    launches, monkeypatch, precision
-):
-    """At "high" the Hopper forward multiplies in TF32, after a pass that copies V transposed into a scratch
-    that q's framework makes ([B, Hkv, D, Sk padded to 32]), read by TMA a key tile's panels of 32 keys at a
-    time; at "highest" the portable forward runs. The backward takes the portable passes either way."""
+def test_float32_on_hopper_runs_in_tf32_after_the_transposed_copies(launches, monkeypatch, precision):
+    """At "high" the Hopper forward and two-pass backward multiply in TF32, each after a pass that copies
+    what its products read transposed into scratches that q's framework makes ([B, H, D, S padded to 32]: V
+    for the forward; K, Q and dO for the backward), read by TMA a tile's panels of 32 rows at a time; at
+    "highest" the portable passes run."""
     monkeypatch.setattr(devices, "compute_capability", lambda device: 90)
     monkeypatch.setenv("CUSPARSEATTN_FUSED_BACKWARD", "1")
     seq, dim = 200, 128
@@ -718,23 +755,23 @@ def test_float32_on_hopper_runs_its_forward_in_tf32_and_the_portable_backward(
     cuda.backward(dout, q, k, v, out, lse, dq, dk, dv, stats, layout, 0.1, precision=precision)
     tag = {"high": "tf32", "highest": "tf32x3"}[precision]
     names = [name for name, *_ in launches]
-    forward = ["forward_vt", "forward_sm90"] if precision == "high" else ["forward"]
-    assert [name.split(f"_{tag}_d")[0] for name in names] == [*forward, "backward_dq", "backward_dkdv"]
-    highest = precision == "highest"
-    for (name, _, _, _, shared, _), kernel in zip(
-        launches, [*forward, "backward_dq", "backward_dkdv"], strict=True
-    ):
-        tiles = tuning.tile_config(kernel, dim, itemsize=4, highest=highest and kernel not in tuning.ARCH)
+    high = precision == "high"
+    forward = ["transpose", "forward_sm90"] if high else ["forward"]
+    backward = ["transpose", "backward_dq_sm90", "backward_dkdv_sm90"] if high else []
+    backward = backward or ["backward_dq", "backward_dkdv"]
+    assert [name.split(f"_{tag}_d")[0] for name in names] == [*forward, *backward]
+    for (name, _, _, _, shared, _), kernel in zip(launches, [*forward, *backward], strict=True):
+        tiles = tuning.tile_config(kernel, dim, itemsize=4, highest=not high and kernel not in tuning.ARCH)
         assert f"q{tiles[0]}k{tiles[1]}w{tiles[2]}" in name
         assert shared == tuning.shared_bytes(kernel, dim, tiles, 4) <= 227 * 1024
     # The kernels read every float32 row as the half ones do: strides in elements.
     assert launches[len(forward) - 1][3][0]["q_ss"] == dim
-    if highest:
+    if not high:
         assert q.made == []
         return
     (_, copy_grid, _, (copied,), _, _), (_, _, _, (params, *_), _, maps) = launches[:2]
-    (vt,) = q.made
-    assert vt.shape == cuda.vt_shape(k.shape) == (1, 2, dim, 224) and vt.dtype == "float32"
+    vt, kt, qt, dot = q.made
+    assert vt.shape == cuda.transposed_shape(k.shape) == (1, 2, dim, 224) and vt.dtype == "float32"
     assert copy_grid == (224 // 32, dim // 32, 2)  # 32 keys of 32 head dims a CTA
     assert copied["vt"] == params["vt"] == vt.data_ptr and copied["v"] == v.data_ptr
     assert (copied["vt_sh"], copied["vt_ss"]) == (dim * 224, 224)
@@ -747,17 +784,28 @@ def test_float32_on_hopper_runs_its_forward_in_tf32_and_the_portable_backward(
         (32, seq, dim // 32, 4, 1),
     ]
     assert maps[2][2] == (32, dim, tiles[1] // 32, 1, 1) and maps[0][2] == (32, tiles[0], dim // 32, 1, 1)
+    # The backward's copies: K's, Q's and dO's, every head of each in one launch, V's not made.
+    assert (kt.shape, qt.shape, dot.shape) == ((1, 2, dim, 224), (1, 4, dim, 224), (1, 4, dim, 224))
+    (_, copy_grid, _, (copied,), _, _), dq_pass, dkdv_pass = launches[2:]
+    assert copy_grid == (224 // 32, dim // 32, 2 + 4 + 4) and copied["vt"] == 0
+    assert (copied["kt"], copied["qt"], copied["dot"]) == (kt.data_ptr, qt.data_ptr, dot.data_ptr)
+    assert (copied["k"], copied["q"], copied["dout"]) == (k.data_ptr, q.data_ptr, dout.data_ptr)
+    # q, k, v, dout as the half passes read them, then the copies: K's a key tile's panels, Q's and dO's a
+    # query tile's
+    dq_tiles, dkdv_tiles = (tuning.tile_config(n, dim, itemsize=4) for n in backward[1:])
+    for (*_, maps), (tm, tn, _), copies in ((dq_pass, dq_tiles, "k"), (dkdv_pass, dkdv_tiles, "qd")):
+        query, key = (tm, dim // 32), (tn, dim // 32)
+        boxes = [(dim, (tn if c == "k" else tm) // 32) for c in copies]
+        assert [m[2][1:3] for m in maps] == [query, key, key, query, *boxes]
+    assert [m[0][3] for m in dkdv_pass[5]] == [4, 2, 2, 4, 4, 4]
 
 
-def test_float32_reasons_name_the_portable_kernels_on_hopper(monkeypatch):
+def test_float32_takes_the_hopper_kernels_at_high_and_the_portable_ones_at_highest(monkeypatch):
     monkeypatch.setattr(devices, "compute_capability", lambda device: 90)
     monkeypatch.delenv("CUSPARSEATTN_HOPPER", raising=False)
     q = Holder((1, 2, 128, 64), "float32")
     assert devices.reasons("float32", 64) == []
-    assert devices.hopper_reasons(q, q, q) == [devices.FLOAT32_ON_HOPPER]
-    assert devices.hopper_reasons(q, q, q, forward=True) == []
-    assert devices.hopper_reasons(q, q, q, forward=True, precision="highest") == [
-        devices.FLOAT32_HIGHEST_ON_HOPPER
-    ]
+    assert devices.hopper_reasons(q, q, q) == [] == devices.hopper_reasons(q, q, q, dout=q)
+    assert devices.hopper_reasons(q, q, q, q, precision="highest") == [devices.FLOAT32_HIGHEST_ON_HOPPER]
     assert devices.hopper_reasons(Holder((1, 2, 128, 64)), q, q) == []
     assert "float64" in devices.reasons("float64", 64)[0]

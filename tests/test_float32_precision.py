@@ -84,7 +84,7 @@ def test_float32_specs_name_their_precision():
     with pytest.raises(ValueError, match="multiplies float32 in TF32"):
         build.KernelSpec.make("forward_sm90", "float32", 64, precision="highest")
     with pytest.raises(ValueError, match="takes float32 only"):
-        build.KernelSpec.make("forward_vt", "bfloat16", 64)
+        build.KernelSpec.make("transpose", "bfloat16", 64)
     with pytest.raises(ValueError, match="precision 'highest' is float32's"):
         build.KernelSpec.make("forward", "bfloat16", 64, precision="highest")
     with pytest.raises(ValueError, match="precision must be one of"):
@@ -124,5 +124,5 @@ def test_float32s_hopper_forward_multiplies_in_tf32_and_reads_v_transposed(head_
     assert "#define STAGE_OUT 0" in prelude and f"#define Q_BUFFERS {q_buffers}" in prelude
     assert f"#define V_STAGES {v_stages}" in prelude and f"#define Q_ROWS {tm}" in prelude
     assert spec.shared_bytes == tuning.shared_bytes("forward_sm90", head_dim, spec.tiles, 4) <= 227 * 1024
-    copy = build.KernelSpec.make("forward_vt", "float32", head_dim)
+    copy = build.KernelSpec.make("transpose", "float32", head_dim)
     assert copy.tiles == (32, 32, 8) and copy.shared_bytes == 0 and copy.arch is None

@@ -108,15 +108,15 @@ def test_float32_highest_stays_at_float32s_rounding_over_long_sums(head_dim):
     assert max(errors.values()) < 5e-6, errors
 
 
-def test_float32_runs_the_portable_backward_on_hopper(monkeypatch):
-    """The dQ and dK/dV passes of the portable kernels, not the fused Hopper backward (half precision), after
-    the Hopper forward in TF32."""
+def test_float32_runs_the_hopper_two_pass_backward(monkeypatch):
+    """The Hopper dQ and dK/dV passes in TF32 after the transposed copies of K, Q and dO, not the fused
+    backward (half precision), after the Hopper forward in TF32."""
     launched = hopper_path(monkeypatch, hopper=True)
     monkeypatch.setenv("CUSPARSEATTN_FUSED_BACKWARD", "1")
     rng = np.random.default_rng(9)
     q, k, v = random_qkv(rng, 1, 4, 2, 300, 300, 64, np.float32)
     assert_backward_matches(q, k, v, patterns.causal(block=64).layout(300), "float32", rng)
-    assert launched == ["forward_vt", "forward_sm90", "backward_dq", "backward_dkdv"]
+    assert launched == ["transpose", "forward_sm90", "transpose", "backward_dq_sm90", "backward_dkdv_sm90"]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -220,6 +220,21 @@ def test_both_kernels_of_a_hopper_gpu(hopper, kind, head_dim, dtype, monkeypatch
     assert_backward_matches(q, k, v, layout_for(kind, rng, 2, 4, 300, 333, 64), dtype, rng)
     suffix = "_sm90" if hopper else ""
     assert launched == [f"forward{suffix}", f"backward_dq{suffix}", f"backward_dkdv{suffix}"]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kind", ["dense", "causal", "random", "random_rule"])
+@pytest.mark.parametrize("hopper", [True, False], ids=["hopper", "portable"])
+def test_float32_on_both_kernels_of_a_hopper_gpu(hopper, kind, head_dim, monkeypatch):
+    """float32 at "high" on an H100/H200: the Hopper forward and two backward passes in TF32, each after the
+    transposed copies it reads (V's; K's, Q's and dO's), with CUSPARSEATTN_HOPPER=0 the portable ones. Both
+    against the reference, on ragged lengths (the copies padded past them), GQA and a [B, S, H, D] view."""
+    launched = hopper_path(monkeypatch, hopper)
+    rng = np.random.default_rng(14)
+    q, k, v = random_qkv(rng, 2, 4, 2, 300, 333, head_dim, np.float32, "bshd")
+    assert_backward_matches(q, k, v, layout_for(kind, rng, 2, 4, 300, 333, 64), "float32", rng)
+    passes = ["transpose", "forward_sm90", "transpose", "backward_dq_sm90", "backward_dkdv_sm90"]
+    assert launched == (passes if hopper else ["forward", "backward_dq", "backward_dkdv"])
 
 
 @pytest.mark.parametrize("path", ["fused", "two_pass", "portable"])

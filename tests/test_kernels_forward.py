@@ -95,7 +95,7 @@ def test_float32_on_both_kernels_of_a_hopper_gpu(hopper, kind, head_dim, precisi
     layout = layout_for(kind, rng, 2, 4, 300, 333, 64)
     out, lse = run_forward(q, k, v, layout, precision=precision)
     tf32 = hopper and precision == "high"
-    assert launched == (["forward_vt", "forward_sm90"] if tf32 else ["forward"])
+    assert launched == (["transpose", "forward_sm90"] if tf32 else ["forward"])
     bound = FLOAT32_BOUNDS[precision]
     (out64, lse64), (out_lo, lse_lo) = forward_refs(q, k, v, layout, low=bound)
     check_close("out", out, out64, out_lo, dtype=bound)

@@ -11,7 +11,7 @@ import weakref
 
 import numpy as np
 import pytest
-from kernel_cases import np_dtype, to_device, to_host
+from kernel_cases import hopper_path, np_dtype, to_device, to_host
 
 import cusparseattn
 from cusparseattn import backends, native_backends, patterns, plans, reference
@@ -566,6 +566,39 @@ def test_cuda_forward_and_backward_match_the_reference(case, dtype, cuda_only):
     ref64, low = backward_refs(dout, *host, layout)
     for name, t, want, want_low in zip(("dq", "dk", "dv"), (q, k, v), ref64, low, strict=True):
         check_close(name, to_host(t.grad), want, want_low, dtype=dtype)
+
+
+@pytest.mark.gpu
+def test_cuda_float32_trains_in_tf32_eager_and_compiled(cuda_only, dynamo, monkeypatch):
+    """float32 at torch's precision "high": on an H100/H200 the Hopper forward and two-pass backward in TF32,
+    each after the transposed copies it reads, eager and under torch.compile (whose backward makes those
+    copies' scratches itself) with the same bits, within TF32's error of the float64 reference."""
+    launched = hopper_path(monkeypatch, True)
+    layout = patterns.causal(block=64).layout(300)
+    rng = np.random.default_rng(15)
+    host = random_qkv(rng, 1, 4, 2, 300, 300, 64, np.float32)
+    dout = rng.standard_normal(host[0].shape).astype(np.float32)
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        grads = []
+
+        def attend(q, k, v):
+            return ca_torch.attention(q, k, v, layout)
+
+        for call in (attend, torch.compile(attend)):
+            q, k, v = (to_device(x).requires_grad_() for x in host)
+            call(q, k, v).backward(to_device(dout))
+            grads.append([to_host(t.grad) for t in (q, k, v)])
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    assert {"transpose", "backward_dq_sm90", "backward_dkdv_sm90"} <= set(launched)
+    ref64, low = backward_refs(dout, *host, layout, low="float16")
+    # TF32's slack, as test_kernels_backward's: a key's dK sums its rows' errors over the group's queries
+    atols = {"dq": 8e-3, "dk": 8e-3 * math.sqrt(2 * 300), "dv": 8e-3}
+    for i, (name, want, want_low) in enumerate(zip(("dq", "dk", "dv"), ref64, low, strict=True)):
+        check_close(name, grads[0][i], want, want_low, dtype="float16", atol=atols[name])
+        np.testing.assert_array_equal(grads[1][i], grads[0][i])
 
 
 @pytest.mark.gpu
