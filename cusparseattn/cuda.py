@@ -402,11 +402,12 @@ def prefetch_backward(q, k, v, layout: BlockLayout, score_mod=None, precision: s
 
 
 class Backward:
-    """The backward's passes (dQ, then dK/dV; or the fused backward's three, `fused_backward`) for arrays
-    described as `q`, `k` and `v` and the optional others are (those not given: C-contiguous, shaped as q
-    or k), over a layout, scale and score mod (tables, tiles, grids, packed parameters), made once: `run`
-    launches them on any arrays described the same way. PyTorch's eager calls keep one per call signature,
-    made in the first forward.
+    """The backward's passes (dQ, then dK/dV, in float32 on Hopper after the copies of K, Q and dO that
+    they read transposed; or the fused backward's three, `fused_backward`) for arrays described as `q`, `k`
+    and `v` and the optional others are (those not given: C-contiguous, shaped as q or k), over a layout,
+    scale and score mod (tables, tiles, grids, packed parameters), made once: `run` launches them on any
+    arrays described the same way. PyTorch's eager calls keep one per call signature, made in the first
+    forward.
 
     dout may come laid out as the forward's caller left its output's gradient (a transposed view is
     common): the passes are bound to each dout layout as it comes. The Hopper passes read dout through TMA:
@@ -464,7 +465,8 @@ class Backward:
         self._bound: dict[tuple, tuple[Bound, ...]] = {}
 
     def _two_passes(self, q, k, layout: BlockLayout, score, scale: float, kernels: list) -> list:
-        """The dQ pass (which writes the statistics), then the dK/dV pass: (pass, TMA rows) each."""
+        """The dQ pass (which writes the statistics), then the dK/dV pass, after the pass that makes their
+        transposed copies where they read some: (pass, TMA rows) each."""
         batch, heads_q, _, head_dim = q.shape
         passes = []
         for kernel, tiles in kernels:

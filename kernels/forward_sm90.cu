@@ -102,9 +102,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1)
                 for (int r = 0; r < TILE_M; r += Q_ROWS)
                     tma_load_tile(sh.q[rows_done % Q_BUFFERS] + r * HEAD_DIM, q_map, q_full, row.q0 + r, row.h, row.b);
                 ++rows_done;
-                stream_kv<TILE_N, STAGES, V_STAGES, true, B_TRANSPOSED>(p, span, row.h / p.group, row.b, sh.k,
-                                                                        sh.v, k_map, v_map, sh.k_ring, sh.v_ring,
-                                                                        uses);
+                stream_kv<TILE_N, STAGES, V_STAGES>(p, span, row.h / p.group, row.b, sh.k, sh.v, k_map, v_map,
+                                                    sh.k_ring, sh.v_ring, uses);
                 uses += span.count;
             }
         }

@@ -187,13 +187,13 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 // Waits until this thread's committed bulk copies have read their shared sources (not until their writes land).
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 
-// The producer's part of a row-walking pass: the K and V tiles (ROWS keys, key/value head hk, batch element b)
-// of each entry of `span` into their rings (of K_DEPTH and V_DEPTH buffers), the next copy issued as soon as a
-// buffer is free. The rings have been used `first` times before (earlier work items of a persistent CTA).
-// K_AHEAD (the forward, whose step i multiplies by K_i and then V_{i-1}): each K tile is copied before the V
-// tile of the entry before it, in the order the consumers wait for them. V_T: V's tiles come from its
-// transposed copy (tma_load_rows).
-template <int ROWS, int K_DEPTH, int V_DEPTH, bool K_AHEAD, bool V_T>
+// The forward producer's part of a row: the K and V tiles (ROWS keys, key/value head hk, batch element b) of
+// each entry of `span` into their rings (of K_DEPTH and V_DEPTH buffers), the next copy issued as soon as a
+// buffer is free; V's tiles from its transposed copy where B_TRANSPOSED (tma_load_rows). The rings have been
+// used `first` times before (earlier work items of a persistent CTA). Step i multiplies by K_i and then
+// V_{i-1}: each K tile is copied before the V tile of the entry before it, in the order the consumers wait
+// for them.
+template <int ROWS, int K_DEPTH, int V_DEPTH>
 __device__ __forceinline__ void stream_kv(const Params& p, Span span, int hk, int b, elem_t (*k)[ROWS * HEAD_DIM],
                                           elem_t (*v)[ROWS * HEAD_DIM], const TensorMap& k_map,
                                           const TensorMap& v_map, Ring<K_DEPTH>& k_ring, Ring<V_DEPTH>& v_ring,
@@ -202,19 +202,15 @@ __device__ __forceinline__ void stream_kv(const Params& p, Span span, int hk, in
     auto load_v = [&](int i) {
         const unsigned use = first + i;
         const int k0 = p.entries[span.begin + i].x * ROWS;
-        tma_load_rows<V_T>(v[use % V_DEPTH], v_map, v_ring.fill(use, BYTES), k0, hk, b);
+        tma_load_rows<B_TRANSPOSED>(v[use % V_DEPTH], v_map, v_ring.fill(use, BYTES), k0, hk, b);
     };
     for (int i = 0; i < span.count; ++i) {
         const int k0 = p.entries[span.begin + i].x * ROWS;
         const unsigned use = first + i;
         tma_load_tile(k[use % K_DEPTH], k_map, k_ring.fill(use, BYTES), k0, hk, b);
-        if (!K_AHEAD) {
-            load_v(i);
-        } else if (i > 0) {
-            load_v(i - 1);
-        }
+        if (i > 0) load_v(i - 1);
     }
-    if (K_AHEAD && span.count > 0) load_v(span.count - 1);
+    if (span.count > 0) load_v(span.count - 1);
 }
 
 // ---- warpgroup MMA ----------------------------------------------------------------------------------------
