@@ -219,7 +219,7 @@ class Forward:
                 # all its rows (head dims) and a key tile's panels at a time
                 rows = {"q": tuning.forward_q_rows(q.shape[3], tiles, itemsize), "k": tiles[1]}
                 if transposed:
-                    rows["vt"] = (q.shape[3], tiles[1] // tma.panel(itemsize))
+                    rows["vt"] = _copy_box(q.shape[3], tiles[1])
                 else:
                     rows["v"] = tiles[1]
                 rows["out"] = 64
@@ -230,19 +230,19 @@ class Forward:
             names = ARRAYS[:5]
             # Split rows' parts go to a scratch (`stats`), a slot of TILE_M lse and then [TILE_M, D] outputs
             # (fp32) each; a combine pass then writes those rows.
-            self.scratch = (work["parts"].shape[0], tiles[0], q.shape[3] + 1) if splits else None
             if splits:
                 names += ("stats",)
-                made["stats"] = _Like(self.scratch, "float32")
-            self.transposed = transposed_shape(k.shape) if transposed else None
+                made["stats"] = _Like((work["parts"].shape[0], tiles[0], q.shape[3] + 1), "float32")
             if transposed:
                 names += ("vt",)
-                made["vt"] = _Like(self.transposed, "float32")
+                made["vt"] = _Like(transposed_shape(k.shape), "float32")
+            # The float32 scratches a run makes, in the order bound: split rows' parts, V's transposed copy.
+            self.scratches = tuple(made[n].shape for n in names[5:])
             arrays = _bound_arrays(names, dict(q=q, k=k, v=v, out=out, lse=lse), made)
             main = make_pass(kernel, grid, tables, score, scale, tiles, work, q=q, k=k, precision=precision)
             self.launches = [main.bind(arrays, rows)]
             if transposed:
-                copy = _transpose_pass(tables, scale, q, k, [self.transposed])
+                copy = _transpose_pass(tables, scale, q, k, [made["vt"].shape])
                 self.launches.insert(0, copy.bind(arrays, {}))
             if splits:  # a warp for each query row of each split row (forward_combine.cu)
                 edges = tuning.edge_tiles(tiles)
@@ -261,13 +261,9 @@ class Forward:
         addresses = (q.data_ptr, k.data_ptr, v.data_ptr, out.data_ptr, lse.data_ptr)
         # Each scratch lives until the launches are queued: one freed before the next is made would be
         # handed out again as that one.
-        scratches = [scratch(q, shape, self.device) for shape in self._scratches()]
+        scratches = [scratch(q, shape, self.device) for shape in self.scratches]
         addresses += tuple(s.data_ptr for s in scratches)
         run_launches(self.device, self._launches(layout), q.stream, addresses)
-
-    def _scratches(self) -> tuple:
-        """The shapes of its float32 scratches, in the order bound: split rows' parts, V's transposed copy."""
-        return tuple(shape for shape in (self.scratch, self.transposed) if shape is not None)
 
     def _launches(self, layout) -> list:
         if self.dynamic is None:
@@ -281,9 +277,9 @@ class Forward:
 
     def run_at(self, stream: int, addresses: tuple, layout=None) -> None:
         """Writes out and lse on `stream` (a raw handle) over arrays at these addresses: q, k, v, out, lse,
-        for a caller that lends its buffers and no allocator (XLA): a split deal's scratch comes from
-        CuPy's pool. `layout` as `run`'s."""
-        scratches = [pool_scratch(stream, shape, self.device) for shape in self._scratches()]  # as run's
+        for a caller that lends its buffers and no allocator (XLA): its scratches come from CuPy's pool.
+        `layout` as `run`'s."""
+        scratches = [pool_scratch(stream, shape, self.device) for shape in self.scratches]  # as run's
         addresses += tuple(s.data.ptr for s in scratches)
         run_launches(self.device, self._launches(layout), stream, addresses)
 
@@ -294,6 +290,12 @@ def transposed_shape(shape) -> tuple[int, int, int, int]:
     batch, heads, seq, head_dim = shape
     width = tma.panel(build.DTYPES["float32"])
     return batch, heads, head_dim, -(-seq // width) * width
+
+
+def _copy_box(head_dim: int, rows: int) -> tuple[int, int]:
+    """The TMA box (rows, panels) of a tile of `rows` rows of a transposed copy: all its rows (the head dims),
+    the tile's panels."""
+    return head_dim, rows // tma.panel(build.DTYPES["float32"])
 
 
 def _transpose_pass(tables, scale: float, q, k, shapes: list):
@@ -473,17 +475,17 @@ class Backward:
             tables = _tables(layout, tiles, self.device, _sizes(q, k))
             if self.dynamic and tables not in self._tables:
                 self._tables.append(tables)
-            if kernel.startswith("backward_dq"):
+            dq_pass = kernel.startswith("backward_dq")
+            if dq_pass:
                 grid = (tables.plan.tiles_q, heads_q, batch)
             else:
                 # The dK/dV kernel's SPLITS: halves of the head dim past 128.
                 splits = 2 if head_dim > 128 else 1
                 grid = (tables.plan.tiles_k, k.shape[1] * splits, batch)
             rows = _tma_rows(tiles, _BACKWARD_MAPS) if self.hopper else {}
-            if self.transposed:  # the copies' boxes: all their rows (head dims), a tile's panels
-                dq_pass = kernel.startswith("backward_dq")
+            if self.transposed:  # K's copy a key tile at a time, Q's and dO's a query tile
                 names, tile = (("kt",), tiles[1]) if dq_pass else (("qt", "dot"), tiles[0])
-                rows |= dict.fromkeys(names, (head_dim, tile // tma.panel(build.DTYPES[q.dtype])))
+                rows |= dict.fromkeys(names, _copy_box(head_dim, tile))
             made = make_pass(kernel, grid, tables, score, scale, tiles, q=q, k=k, precision=self.precision)
             passes.append((made, rows))
         if self.transposed:

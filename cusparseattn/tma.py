@@ -4,7 +4,7 @@ A kernel copies [rows x D] tiles of a [B, H, S, D] array with one TMA instructio
 memory as D / P panels of [rows x P] elements with the 128-byte swizzle that wgmma reads (P = 128 bytes of
 elements: 64 in half precision, 32 in float32), so the map describes the array as five dimensions, fastest
 first: (P, S, D / P, H, B). Rows past S read as zeros. A box may take fewer panels than D / P: float32's
-forward copies key tiles of V's transposed copy, [B, H, D, S], so.
+Hopper passes copy tiles of rows of the transposed copies of V, K, Q and dO ([B, H, D, S]: transpose.cu) so.
 """
 
 from __future__ import annotations

@@ -137,8 +137,8 @@ __device__ __forceinline__ void fence_barrier_init() {
 // ---- TMA -----------------------------------------------------------------------------------------------------
 // Copies rows [row0, row0 + ROWS) of head `head`, batch `batch` of a [B, H, S, D] tensor into a shared tile
 // (the map's box of panels from `panel0`: the map's dims are (PANEL, S, D / PANEL, H, B), its box all D / PANEL
-// panels, or a key tile's of V's transposed copy); rows past the sequence are zero-filled. Completes on `bar`,
-// which must expect the box's bytes.
+// panels, or a tile's of a transposed copy: tma_load_rows); rows past the sequence are zero-filled. Completes
+// on `bar`, which must expect the box's bytes.
 __device__ __forceinline__ void tma_load_tile(elem_t* dst, const TensorMap& map, Barrier& bar, int row0, int head,
                                               int batch, int panel0 = 0) {
     asm volatile(

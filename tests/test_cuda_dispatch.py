@@ -596,7 +596,8 @@ def test_a_float32_hopper_forward_makes_vs_transposed_copy_after_its_other_scrat
         Holder((2, 4, seq), "float32", address=0x70000000),
     )
     forward = cuda.Forward(q, k, v, layout, 0.1)
-    split = [((forward.scratch), "float32")] if sms == 3 else []
+    split = [(forward.scratches[0], "float32")] if sms == 3 else []
+    assert forward.scratches == (*(shape for shape, _ in split), cuda.transposed_shape(k.shape))
     assert forward.made == (
         (q.shape, "float32"),
         ((2, 4, seq), "float32"),
