@@ -300,10 +300,10 @@ def _copy_box(head_dim: int, rows: int) -> tuple[int, int]:
 
 def _transpose_pass(tables, scale: float, q, k, shapes: list):
     """The pass that makes the transposed copies of these shapes (transpose.cu: V's, or K's, Q's and dO's),
-    a CTA for each 32 rows of 32 head dims of each head."""
+    a CTA for each 32 rows of 32 head dims of each head: heads on y and the batch on z, as in every pass."""
     blocks = tuning.tile_config("transpose", q.shape[3], itemsize=4)  # rows, head dims, warps
     rows, heads = max(shape[3] for shape in shapes), sum(shape[1] for shape in shapes)
-    grid = (rows // blocks[0], q.shape[3] // blocks[1], q.shape[0] * heads)
+    grid = (rows // blocks[0] * (q.shape[3] // blocks[1]), heads, q.shape[0])
     return make_pass("transpose", grid, tables, None, scale, blocks, q=q, k=k)
 
 

@@ -6,9 +6,9 @@
 // each 8 go in the order 0, 2, 4, 6, 1, 3, 5, 7: a TF32 A fragment holds a quad's columns t and t + 4 where an
 // accumulator holds 2t and 2t + 1 (hopper.cuh's a_fragment), so that the accumulator's registers are the
 // fragment as they lie and the product sums each column with its own row of the copy. Rows past the length
-// are zeros. Grid: (padded longest length / 32, D / 32, B * the bound copies' heads), a CTA for each 32 x 32
-// block through shared memory, so that both its reads (along D) and its writes (along the rows) take whole
-// rows.
+// are zeros. Grid: (padded longest length / 32 * D / 32, the bound copies' heads, B), as the other passes'
+// grids heads on y and the batch on z; a CTA for each 32 x 32 block through shared memory, so that both its
+// reads (along D) and its writes (along the rows) take whole rows.
 #include "common.cuh"
 
 using namespace csa;
@@ -35,19 +35,15 @@ __device__ __forceinline__ Copy copy_of(const Params& p, int c) {
             return {p.dout, p.do_sb, p.do_sh, p.do_ss, p.dot, p.dot_sb, p.dot_sh, p.dot_ss, p.heads_q, p.seq_q};
     }
 }
-constexpr int COPIES = 4;
-
 extern "C" __global__ void __launch_bounds__(NWARPS * 32) csa_transpose(const __grid_constant__ Params p) {
     __shared__ float block[32][33];  // a 33-float row: the transposed reads fall in distinct banks
-    // blockIdx.z = b * (the bound copies' heads) + the head among them, copy by copy in copy_of's order.
-    int heads = 0;
-#pragma unroll
-    for (int c = 0; c < COPIES; ++c) heads += copy_of(p, c).dst ? copy_of(p, c).heads : 0;
-    const int b = blockIdx.z / heads;
-    int h = blockIdx.z % heads, c = 0;
+    // blockIdx.y = the head among the bound copies' heads, copy by copy in copy_of's order.
+    const int b = blockIdx.z;
+    int h = blockIdx.y, c = 0;
     Copy x = copy_of(p, 0);
     for (; !x.dst || h >= x.heads; x = copy_of(p, ++c)) h -= x.dst ? x.heads : 0;
-    const int r0 = blockIdx.x * 32, d0 = blockIdx.y * 32, lane = threadIdx.x % 32;
+    constexpr int D_BLOCKS = HEAD_DIM / 32;
+    const int r0 = blockIdx.x / D_BLOCKS * 32, d0 = blockIdx.x % D_BLOCKS * 32, lane = threadIdx.x % 32;
     if (r0 >= x.rows) return;  // past this copy's padded rows (r0 is a multiple of 32)
     const elem_t* src = x.src + b * x.sb + h * x.sh;
     for (int r = threadIdx.x / 32; r < 32; r += NWARPS) {

@@ -773,7 +773,7 @@ def test_float32_on_hopper_runs_in_tf32_after_the_transposed_copies(launches, mo
     (_, copy_grid, _, (copied,), _, _), (_, _, _, (params, *_), _, maps) = launches[:2]
     vt, kt, qt, dot = q.made
     assert vt.shape == cuda.transposed_shape(k.shape) == (1, 2, dim, 224) and vt.dtype == "float32"
-    assert copy_grid == (224 // 32, dim // 32, 2)  # 32 keys of 32 head dims a CTA
+    assert copy_grid == (224 // 32 * (dim // 32), 2, 1)  # 32 keys of 32 head dims a CTA, heads on y
     assert copied["vt"] == params["vt"] == vt.data_ptr and copied["v"] == v.data_ptr
     assert (copied["vt_sh"], copied["vt_ss"]) == (dim * 224, 224)
     tiles = tuning.tile_config("forward_sm90", dim, itemsize=4)
@@ -788,7 +788,7 @@ def test_float32_on_hopper_runs_in_tf32_after_the_transposed_copies(launches, mo
     # The backward's copies: K's, Q's and dO's, every head of each in one launch, V's not made.
     assert (kt.shape, qt.shape, dot.shape) == ((1, 2, dim, 224), (1, 4, dim, 224), (1, 4, dim, 224))
     (_, copy_grid, _, (copied,), _, _), dq_pass, dkdv_pass = launches[2:]
-    assert copy_grid == (224 // 32, dim // 32, 2 + 4 + 4) and copied["vt"] == 0
+    assert copy_grid == (224 // 32 * (dim // 32), 2 + 4 + 4, 1) and copied["vt"] == 0
     assert (copied["kt"], copied["qt"], copied["dot"]) == (kt.data_ptr, qt.data_ptr, dot.data_ptr)
     assert (copied["k"], copied["q"], copied["dout"]) == (k.data_ptr, q.data_ptr, dout.data_ptr)
     # q, k, v, dout as the half passes read them, then the copies: K's a key tile's panels, Q's and dO's a
