@@ -479,9 +479,7 @@ class Backward:
             if dq_pass:
                 grid = (tables.plan.tiles_q, heads_q, batch)
             else:
-                # The dK/dV kernel's SPLITS: halves of the head dim past 128.
-                splits = 2 if head_dim > 128 else 1
-                grid = (tables.plan.tiles_k, k.shape[1] * splits, batch)
+                grid = (tables.plan.tiles_k, k.shape[1] * tuning.dkdv_splits(head_dim), batch)
             rows = _tma_rows(tiles, _BACKWARD_MAPS) if self.hopper else {}
             if self.transposed:  # K's copy a key tile at a time, Q's and dO's a query tile
                 names, tile = (("kt",), tiles[1]) if dq_pass else (("qt", "dot"), tiles[0])

@@ -44,6 +44,37 @@ def reasons(dtype: str, head_dim: int, scale: float = 1.0) -> list[str]:
     return out
 
 
+# A CUDA grid's y and z axes hold at most 65535 blocks: the passes that are not persistent launch a batch
+# element per z index and heads along y (the portable dK/dV pass tuning.dkdv_splits per key/value head,
+# float32's copy pass every head of K, Q and dO: transpose.cu).
+GRID_YZ = 65535
+
+
+def grid_reasons(q_shape, k_shape, dtype: str, dynamic: bool = False, persistent: bool = False) -> list[str]:
+    """Why the kernels' grids cannot hold arrays of these [B, H, S, D] shapes (empty when they can); with
+    `dynamic`, for a dynamic layout, whose tables' builder lays every (batch element, query head) along y;
+    `persistent` where only persistent passes run (the Hopper forward in half precision), whose grids hold
+    any batch."""
+    batch, heads_q, heads_kv, head_dim = q_shape[0], q_shape[1], k_shape[1], q_shape[3]
+    out = []
+    if batch > GRID_YZ and not persistent:
+        out.append(f"the CUDA kernels take at most {GRID_YZ} batch elements (a grid axis), got {batch}")
+    elif dynamic and batch * heads_q > GRID_YZ:
+        out.append(
+            f"a dynamic layout's tables take at most {GRID_YZ} (batch element, query head) pairs (a grid "
+            f"axis), got {batch} x {heads_q}"
+        )
+    rows = max(heads_q, heads_kv * tuning.dkdv_splits(head_dim))
+    if dtype == "float32":
+        rows = max(rows, heads_kv + 2 * heads_q)
+    if rows > GRID_YZ:
+        out.append(
+            f"the CUDA kernels' grids take at most {GRID_YZ} blocks along the axis of heads; {heads_q} query "
+            f"heads with {heads_kv} key/value heads of {dtype} take {rows}"
+        )
+    return out
+
+
 def current_device() -> int:
     """The calling thread's current CUDA device (``torch.cuda.set_device`` and ``cupy.cuda.Device`` both set
     it): where work that no array places (a layout's classification) runs."""

@@ -95,7 +95,8 @@ class CudaBackend(Backend):
         from . import devices
 
         reasons = []
-        if isinstance(inputs.layout, DynamicLayout):
+        dynamic = isinstance(inputs.layout, DynamicLayout)
+        if dynamic:
             from . import dynamic_tables
 
             reasons += dynamic_tables.reasons(inputs.layout)
@@ -106,10 +107,22 @@ class CudaBackend(Backend):
         if not reasons:
             reasons += devices.device_reasons(inputs.device[1])
         if not reasons:
+            shapes = inputs.q.shape, inputs.k.shape, inputs.dtype, dynamic
+            reasons += devices.grid_reasons(*shapes, persistent=self._persistent_forward(inputs, op))
+        if not reasons:
             # A traced JAX array has no memory yet: cusparseattn.jax checks XLA's buffers when they arrive.
             concrete = [(h.name, h) for h in inputs.holders() if not getattr(h, "traced", False)]
             reasons += devices.tensor_reasons(*concrete)
         return reasons
+
+    @staticmethod
+    def _persistent_forward(inputs, op: str) -> bool:
+        """Whether this call runs persistent passes alone: a half-precision forward on the Hopper kernels."""
+        from . import devices
+
+        if op != "forward" or inputs.dtype == "float32" or devices.hopper_device_reasons(inputs.device[1]):
+            return False
+        return not devices.hopper_reasons(inputs.q, inputs.k, inputs.v, precision=inputs.precision)
 
     def runs_on(self, inputs):
         where = device_name(inputs.device)

@@ -170,6 +170,12 @@ def transposed_stages(head_dim: int) -> int:
     return 1 if head_dim > 64 else 2
 
 
+def dkdv_splits(head_dim: int) -> int:
+    """The portable dK/dV pass's CTAs per key tile (backward_dkdv.cu's SPLITS, which it derives alike):
+    halves of the head dim past 128, where one CTA's dK and dV accumulators would not fit its registers."""
+    return 2 if head_dim > 128 else 1
+
+
 def forward_v_stages(head_dim: int, tiles: tuple[int, int, int]) -> int:
     """The Hopper forward's buffers of V (its V_STAGES; K takes HOPPER_STAGES'): three with key tiles of 128
     at head dim 128, two elsewhere. V_i is held a step longer than K_i (until O += P_i V_i lands, in step

@@ -184,15 +184,16 @@ def _classify_blocks(rule, batch: int, heads: int, seq_q: int, seq_k: int, block
     """Per block ``[B|1, H|1, nQ, nK]``: does some token pair attend (``any_``), does every pair (``all_``).
 
     Evaluates ``rule`` on every pair: on the GPU when there is one and the rule has a C expression (large
-    layouts only), else in bands of query blocks (vectorised inside a band). The batch and head axes stay 1
-    where the rule's result does not vary along them.
+    layouts whose lines and block rows the kernel's grid holds), else in bands of query blocks (vectorised
+    inside a band). The batch and head axes stay 1 where the rule's result does not vary along them.
     """
     if rule.c_expr is not None and batch * heads * seq_q * seq_k >= GPU_CLASSIFY_PAIRS and _gpu():
         from . import cuda, devices
 
         uses = getattr(rule.fn, "variables", {"b", "h"})
         nb, nh = (batch if "b" in uses else 1), (heads if "h" in uses else 1)
-        return cuda.classify_blocks(rule, nb, nh, seq_q, seq_k, block_size, devices.current_device())
+        if max(nb * nh, -(-seq_q // block_size[0])) <= devices.GRID_YZ:  # its grid: lines on z, rows on y
+            return cuda.classify_blocks(rule, nb, nh, seq_q, seq_k, block_size, devices.current_device())
     (bq, bk), nq, nk = block_size, -(-seq_q // block_size[0]), -(-seq_k // block_size[1])
     b = np.arange(batch)[:, None, None, None]
     h = np.arange(heads)[None, :, None, None]

@@ -562,6 +562,42 @@ def test_cuda_takes_positive_scales_only():
         ]
 
 
+def test_cuda_refuses_shapes_past_its_grids_axes(monkeypatch):
+    assert devices.grid_reasons((65535, 16, 128, 64), (65535, 16, 128, 64), "bfloat16") == []
+    assert devices.grid_reasons((65536, 2, 128, 64), (65536, 2, 128, 64), "bfloat16") == [
+        "the CUDA kernels take at most 65535 batch elements (a grid axis), got 65536"
+    ]
+    # float32's copy pass lays every head of K, Q and dO along one axis (30000 + 2 * 30000 blocks).
+    assert devices.grid_reasons((1, 30000, 128, 64), (1, 30000, 128, 64), "float16") == []
+    assert devices.grid_reasons((1, 30000, 128, 64), (1, 30000, 128, 64), "float32") == [
+        "the CUDA kernels' grids take at most 65535 blocks along the axis of heads; 30000 query heads with "
+        "30000 key/value heads of float32 take 90000"
+    ]
+    # A dynamic layout's builder lays every (batch element, query head) along one axis.
+    assert devices.grid_reasons((4096, 16, 128, 64), (4096, 16, 128, 64), "bfloat16") == []
+    assert devices.grid_reasons((4096, 16, 128, 64), (4096, 16, 128, 64), "bfloat16", dynamic=True) == [
+        "a dynamic layout's tables take at most 65535 (batch element, query head) pairs (a grid axis), got "
+        "4096 x 16"
+    ]
+    # The Hopper forward in half precision is persistent: any batch.
+    assert devices.grid_reasons((65536, 2, 128, 64), (65536, 2, 128, 64), "bfloat16", persistent=True) == []
+    for name in ("available", "device_reasons", "tensor_reasons"):
+        monkeypatch.setattr(devices, name, lambda *_: [])
+    big = np.broadcast_to(Q16[:1], (65536, *Q16.shape[1:]))  # no memory behind the batch axis
+    base = inputs_of()
+    inputs = Inputs(*(OnGpu(big, name) for name in "qkv"), base.layout, base.scale)
+    too_many = ["the CUDA kernels take at most 65535 batch elements (a grid axis), got 65536"]
+    # A GPU without the Hopper kernels, then one with them: the forward takes any batch there (head dim 16 is
+    # not one of theirs, so the reasons stand until they say it is).
+    monkeypatch.setattr(devices, "hopper_device_reasons", lambda device: ["not a Hopper GPU"])
+    assert backends.BACKENDS["cuda"].not_supported_reasons(inputs, "forward") == too_many
+    monkeypatch.setattr(devices, "hopper_device_reasons", lambda device: [])
+    assert backends.BACKENDS["cuda"].not_supported_reasons(inputs, "forward") == too_many
+    monkeypatch.setattr(devices, "hopper_reasons", lambda *arrays, precision: [])
+    assert backends.BACKENDS["cuda"].not_supported_reasons(inputs, "forward") == []
+    assert backends.BACKENDS["cuda"].not_supported_reasons(inputs, "backward") == too_many
+
+
 # ---- GPU ----------------------------------------------------------------------------------------------
 
 
