@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import warnings
 
-import ml_dtypes
 import numpy as np
 import pytest
-from kernel_cases import FLOAT32_BOUNDS
+from kernel_cases import FLOAT32_BOUNDS, np_dtype
 
 from cusparseattn import arrays, backends, dynamic, native_backends, patterns, plans, reference
 from cusparseattn.layout import BlockLayout
@@ -451,10 +450,6 @@ def jax_gpu():
     if not gpus:
         pytest.skip("JAX sees no GPU (a CPU-only jaxlib)")
     return gpus[0]
-
-
-def np_dtype(name):
-    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
 
 
 GPU_RANDOM_LAYOUT = sparse_layout(Sq=192, Sk=150, heads=2, seed=5, block=32)
