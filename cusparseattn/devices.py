@@ -64,13 +64,13 @@ def grid_reasons(q_shape, k_shape, dtype: str, dynamic: bool = False, persistent
             f"a dynamic layout's tables take at most {GRID_YZ} (batch element, query head) pairs (a grid "
             f"axis), got {batch} x {heads_q}"
         )
-    rows = max(heads_q, heads_kv * tuning.dkdv_splits(head_dim))
+    along_y = max(heads_q, heads_kv * tuning.dkdv_splits(head_dim))
     if dtype == "float32":
-        rows = max(rows, heads_kv + 2 * heads_q)
-    if rows > GRID_YZ:
+        along_y = max(along_y, heads_kv + 2 * heads_q)
+    if along_y > GRID_YZ:
         out.append(
             f"the CUDA kernels' grids take at most {GRID_YZ} blocks along the axis of heads; {heads_q} query "
-            f"heads with {heads_kv} key/value heads of {dtype} take {rows}"
+            f"heads with {heads_kv} key/value heads of {dtype} take {along_y}"
         )
     return out
 

@@ -187,14 +187,14 @@ def _classify_blocks(rule, batch: int, heads: int, seq_q: int, seq_k: int, block
     layouts whose lines and block rows the kernel's grid holds), else in bands of query blocks (vectorised
     inside a band). The batch and head axes stay 1 where the rule's result does not vary along them.
     """
+    (bq, bk), nq, nk = block_size, -(-seq_q // block_size[0]), -(-seq_k // block_size[1])
     if rule.c_expr is not None and batch * heads * seq_q * seq_k >= GPU_CLASSIFY_PAIRS and _gpu():
         from . import cuda, devices
 
         uses = getattr(rule.fn, "variables", {"b", "h"})
         nb, nh = (batch if "b" in uses else 1), (heads if "h" in uses else 1)
-        if max(nb * nh, -(-seq_q // block_size[0])) <= devices.GRID_YZ:  # its grid: lines on z, rows on y
+        if max(nb * nh, nq) <= devices.GRID_YZ:  # its grid: lines on z, block rows on y
             return cuda.classify_blocks(rule, nb, nh, seq_q, seq_k, block_size, devices.current_device())
-    (bq, bk), nq, nk = block_size, -(-seq_q // block_size[0]), -(-seq_k // block_size[1])
     b = np.arange(batch)[:, None, None, None]
     h = np.arange(heads)[None, :, None, None]
     kraw = np.arange(nk * bk)[None, None, None, :]
