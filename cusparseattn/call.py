@@ -265,15 +265,20 @@ def default_pattern(causal: bool) -> patterns.Pattern:
     return patterns.causal() if causal else patterns.dense()
 
 
+@functools.cache
+def causal_pattern(block: tuple[int, int]) -> patterns.Pattern:
+    """The causal Pattern of ``causal=True`` with a dynamic layout of these blocks: one object, whose
+    layouts (cached per lengths) and their joins with the layout's parts are then the same at every step."""
+    return patterns.causal(block=block)
+
+
 def resolve_layout(layout, causal: bool, sizes: Sizes) -> BlockLayout | DynamicLayout:
     """The BlockLayout for these sizes: None is dense, a Pattern is built for them, a mask function becomes a
     Pattern (`mask_pattern`); ``causal`` intersects. A `DynamicLayout` stays one, checked against the sizes
     and its static parts built for them (`DynamicLayout.fit`)."""
     if isinstance(layout, DynamicLayout):
         block = layout.block_size
-        return layout.fit(
-            sizes, patterns.causal(block=block).layout(sizes.seq_q, sizes.seq_k) if causal else None
-        )
+        return layout.fit(sizes, causal_pattern(block).layout(sizes.seq_q, sizes.seq_k) if causal else None)
     if layout is None:
         return default_pattern(causal).layout(sizes.seq_q, sizes.seq_k)
     if callable(layout) and not isinstance(layout, (patterns.Pattern, BlockLayout, DynamicLayout)):

@@ -52,6 +52,7 @@ import numpy as np
 from .arrays import Tensor, device_name, signature, wrap
 from .layout import BlockLayout, check_block
 from .pattern import Pattern
+from .recent import Recent
 from .rules import TokenRule
 
 PER = ("block", "token")
@@ -110,6 +111,11 @@ def _static(x, what: str):
     raise TypeError(f"{what} must be a Pattern or a BlockLayout, got {type(x).__qualname__}")
 
 
+# The last joins of static parts, by the parts' identities (held in the value, so the ids stay theirs): a
+# step that combines the same parts gets the same object, which plans and device tables are keyed by.
+_joins = Recent(64)
+
+
 def _join(a, b, op: str):
     """``a op b`` of two static parts (None: everything for ``&``'s within, nothing for ``|``'s plus)."""
     if a is None:
@@ -121,7 +127,11 @@ def _join(a, b, op: str):
             "a dynamic layout combines Patterns with Patterns and BlockLayouts with BlockLayouts; "
             f"got {type(a).__name__} and {type(b).__name__}: build the Pattern's layout (pattern.layout(S))"
         )
-    return a | b if op == "|" else a & b
+    key = (id(a), id(b), op)
+    kept = _joins.get(key)
+    if kept is None:
+        kept = _joins.put(key, (a, b, a | b if op == "|" else a & b))
+    return kept[2]
 
 
 class DynamicLayout:

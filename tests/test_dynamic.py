@@ -391,3 +391,20 @@ def test_on_a_gpu_the_reference_runs_in_cupy_and_ignores_bad_entries():
     assert backends.runs_on(tq, tk, tv, t_lay).startswith("reference (CuPy, on cuda:")
     out = ca.attention(tq, tk, tv, t_lay)
     np.testing.assert_allclose(out.cpu().numpy(), want, atol=1e-12)
+
+
+def test_causal_and_joined_parts_are_the_same_objects_step_to_step():
+    """Plans and device tables are keyed by the static parts' identities: a step's new layout over new
+    indices, with causal=True or the same Pattern joined, must find the parts of the step before."""
+    from cusparseattn import call
+
+    q = np.zeros((1, 2, 64, 8), np.float32)
+    local = patterns.local(window=20, block=16)
+
+    def parts(seed):
+        idx = np.random.default_rng(seed).integers(0, 4, (1, 1, 4, 2)).astype(np.int32)
+        lay = dynamic.block_indices(idx, block=16) & local | local
+        fitted = call.prepare(q, q, q, lay, causal=True, scale=None).layout
+        return fitted.within, fitted.plus
+
+    assert all(a is b for a, b in zip(parts(0), parts(1), strict=True))
