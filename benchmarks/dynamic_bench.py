@@ -1,14 +1,19 @@
-"""Dynamic sparsity on the GPU: MoBA-shaped attention (each query block's top-k key blocks plus its own,
-causal) from a selection made at every step, against FlexAttention with its BlockMask rebuilt from the
-same indices at every step (the build counted), its FlashAttention-4 backend where that is installed, and
-cusparseattn's own static kernels on the same blocks.
+"""Dynamic sparsity on the GPU, from a selection made at every step.
 
-    python benchmarks/dynamic_bench.py                      # S = 16384 and 65536, B = 1, H = 16, D = 128
-    python benchmarks/dynamic_bench.py --seqs 16384 --out results/
+MoBA's shape (``--shapes moba``): each query block's top-k key blocks plus its own, causal, against
+FlexAttention with its BlockMask rebuilt from the same indices at every step (the build counted), its
+FlashAttention-4 backend where that is installed, and cusparseattn's own static kernels on the same blocks.
+NSA's (``--shapes nsa``): each token's KV group picks its key blocks (`cusparseattn.selectors.nsa`: top 16
+blocks of 64, the first and the 8 up to its own forced in, a local window of 512), against
+flash-linear-attention's selection kernels (``fla.ops.nsa.parallel_nsa``, where installed) on the same
+indices, and our dense causal step at that shape.
 
-TFLOP/s count the attended token pairs (the layout's density), forward+backward as 3.5 forward FLOPs. Each
-call of ours makes its layout from the indices anew (`block_indices(idx) & causal`), as a training step does;
-the selector (`cusparseattn.selectors.moba`) is timed apart, as a share of our forward+backward step.
+    python benchmarks/dynamic_bench.py                      # both shapes, S = 16384 and 65536 for MoBA
+    python benchmarks/dynamic_bench.py --shapes moba --seqs 16384 --out results/
+
+TFLOP/s count the attended token pairs, forward+backward as 3.5 forward FLOPs. Each call of ours makes its
+layout from the indices anew (`block_indices(idx) & causal`, `token_indices(idx)` with ``causal=True``), as a
+training step does; the selectors are timed apart, as a share of our forward+backward step.
 """
 
 from __future__ import annotations
@@ -48,6 +53,29 @@ def flex_block_mask(idx):
     )  # fmt: skip
 
 
+def _timers(dout, leaves):
+    """``(forward_ms, step_ms)`` for `_in_turn`: a forward without autograd, and a forward+backward from
+    ``dout`` into `leaves` (an output ``[B, H, S, D]`` takes the ``[B, S, H, D]`` dout's transposed view)."""
+    import torch
+
+    def forward_ms(name, fn):
+        with torch.no_grad():
+            return bench(fn)
+
+    def step_ms(name, fn):
+        def step():
+            out = _first(fn())
+            out.backward(dout if out.shape == dout.shape else dout.transpose(1, 2))
+
+        try:
+            return bench(step, fwd_only=False, grad_to_none=leaves)
+        finally:
+            for t in leaves:
+                t.grad = None
+
+    return forward_ms, step_ms
+
+
 def measure(seq: int, repeats: int) -> dict:
     import torch
 
@@ -79,20 +107,7 @@ def measure(seq: int, repeats: int) -> dict:
         ),
     }
     dout = torch.randn(B, H, seq, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-
-    def forward_ms(name, fn):
-        with torch.no_grad():
-            return bench(fn)
-
-    def step_ms(name, fn):
-        def step():
-            _first(fn()).backward(dout)
-
-        try:
-            return bench(step, fwd_only=False, grad_to_none=[q, k, v])
-        finally:
-            q.grad = k.grad = v.grad = None
-
+    forward_ms, step_ms = _timers(dout, [q, k, v])
     row = {"S": seq, "B": B, "H": H, "D": D, "block": BLOCK, "topk": TOPK, "density": static.density}
     row["fwd"], _ = _in_turn(fns, forward_ms, flops, repeats, f"forward failed at S={seq}")
     row["fwdbwd"], _ = _in_turn(fns, step_ms, BACKWARD_FLOPS * flops, repeats, f"training failed at S={seq}")
@@ -103,16 +118,88 @@ def measure(seq: int, repeats: int) -> dict:
     return row
 
 
+NSA = dict(B=1, S=65536, Hq=64, Hkv=4, D=128, block=64, topk=16, init=1, local=8)
+
+
+def measure_nsa(repeats: int, seq: int = NSA["S"]) -> dict:
+    import torch
+
+    import cusparseattn as ca
+    from cusparseattn import dynamic, selectors
+
+    b, hq, hkv, d, block = NSA["B"], NSA["Hq"], NSA["Hkv"], NSA["D"], NSA["block"]
+    gen = torch.Generator(device="cuda").manual_seed(seq)
+    # [B, S, H, D] as flash-linear-attention takes them; ours see the [B, H, S, D] views.
+    q, k, v = (
+        torch.randn(b, seq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+        for h in (hq, hkv, hkv)
+    )
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    choose = dict(block=block, topk=NSA["topk"], init_blocks=NSA["init"], local_blocks=NSA["local"])
+    with torch.no_grad():
+        idx = selectors.nsa(qt, kt, **choose)  # [B, Hkv, S, topk], ascending, -1 padding
+    t = torch.arange(seq, device="cuda").view(1, 1, seq, 1)
+    pairs = int(torch.where(idx >= 0, (t - idx * block + 1).clamp(0, block), 0).sum())
+    flops = 4 * d * (hq // hkv) * pairs
+    fns = {"ours": lambda: ca.attention(qt, kt, vt, dynamic.token_indices(idx, block=block), causal=True)}
+    try:
+        from fla.ops.nsa.parallel import parallel_nsa
+    except ImportError:
+        print("flash-linear-attention is not installed: no NSA peer", file=sys.stderr)
+    else:
+        fla_idx = idx.transpose(1, 2).contiguous()  # [B, S, Hkv, topk]
+        fns["fla"] = lambda: parallel_nsa(
+            q, k, v, block_indices=fla_idx, block_counts=NSA["topk"], block_size=block
+        )
+    dout = torch.randn(b, seq, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    forward_ms, step_ms = _timers(dout, [q, k, v])
+    row = {"shape": "nsa", **NSA, "S": seq, "density": pairs / (hkv * b * seq * (seq + 1) / 2)}
+    row["fwd"], _ = _in_turn(fns, forward_ms, flops, repeats, f"NSA forward failed at S={seq}")
+    row["fwdbwd"], _ = _in_turn(
+        fns, step_ms, BACKWARD_FLOPS * flops, repeats, f"NSA training failed at S={seq}"
+    )
+    dense_flops = BACKWARD_FLOPS * 4 * b * hq * seq * (seq + 1) / 2 * d
+    dense = {"dense causal": lambda: ca.attention(qt, kt, vt, causal=True)}
+    step, _ = _in_turn(dense, step_ms, dense_flops, 1, f"dense causal training failed at S={seq}")
+    row["dense_causal_fwdbwd"] = step["dense causal"]
+    row["step_ms"] = BACKWARD_FLOPS * flops / row["fwdbwd"]["ours"] / 1e9
+    row["dense_step_ms"] = dense_flops / step["dense causal"] / 1e9
+    with torch.no_grad():
+        row["selector_ms"] = bench(lambda: selectors.nsa(qt, kt, **choose))
+    row["selector_share"] = row["selector_ms"] / row["step_ms"]
+    return row
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seqs", default="16384,65536", help="sequence lengths, comma-separated")
+    parser.add_argument("--shapes", default="moba,nsa", help="moba, nsa or both (comma-separated)")
+    parser.add_argument("--seqs", default="16384,65536", help="MoBA's sequence lengths, comma-separated")
+    parser.add_argument("--nsa-seq", type=int, default=NSA["S"], help="NSA's sequence length")
     parser.add_argument("--repeats", type=int, default=1, help="timings of each, taken in turn")
     parser.add_argument("--out", type=Path, help="folder for dynamic.json")
     args = parser.parse_args(argv)
     if (missing := gpu_missing()) is not None:
         print(missing)
         return 1
-    rows = [measure(int(s), args.repeats) for s in args.seqs.split(",")]
+    shapes = args.shapes.split(",")
+    if not set(shapes) <= {"moba", "nsa"}:
+        parser.error(f"--shapes takes moba and nsa, got {args.shapes!r}")
+    rows = [measure(int(s), args.repeats) for s in args.seqs.split(",")] if "moba" in shapes else []
+    nsa = [measure_nsa(args.repeats, args.nsa_seq)] if "nsa" in shapes else []
+    for row in nsa:
+        for pass_ in ("fwd", "fwdbwd"):
+            t = row[pass_]
+            vs = f"; ours/fla {t['ours'] / t['fla']:.2f}" if "fla" in t else ""
+            print(
+                f"NSA S={row['S']} {pass_}: "
+                + ", ".join(f"{n} {x:.0f}" for n, x in t.items())
+                + f" TFLOP/s{vs}"
+            )
+        print(
+            f"NSA S={row['S']} step {row['step_ms']:.1f} ms, dense causal {row['dense_step_ms']:.1f} ms "
+            f"(x{row['step_ms'] / row['dense_step_ms']:.3f}); selector {row['selector_ms']:.2f} ms, "
+            f"{row['selector_share']:.1%} of the step; density {row['density']:.4f}"
+        )
     for row in rows:
         for pass_ in ("fwd", "fwdbwd"):
             t = row[pass_]
@@ -125,7 +212,7 @@ def main(argv=None) -> int:
         print(f"S={row['S']} selector: {row['selector_ms']:.3f} ms, {row['selector_share']:.1%} of the step")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "dynamic.json").write_text(json.dumps(rows, indent=1))
+        (args.out / "dynamic.json").write_text(json.dumps(rows + nsa, indent=1))
     return 0
 
 

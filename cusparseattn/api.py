@@ -16,7 +16,7 @@ PyTorch tensors (custom operators with registered autograd, which ``torch.compil
 
 from __future__ import annotations
 
-from . import call, plans
+from . import call, plans, token_groups
 from .arrays import framework_of
 
 
@@ -88,6 +88,13 @@ def attention_forward(q, k, v, layout=None, *, causal=False, scale=None, backend
     (dtype('float64'), dtype('float64'), True)
     """
     framework = framework_of(q, "q")
+    grouped = token_groups.grouping(
+        q, k, v, layout, causal=causal, scale=scale, backend=backend, score_mod=score_mod
+    )
+    if grouped is not None:
+        rows = grouped.rows(q)
+        results = attention_forward(rows, k, v, grouped.layout, scale=grouped.scale, backend=backend)
+        return tuple(map(grouped.tokens, results))
     if framework == "jax":
         from . import jax as adapter
 
@@ -130,6 +137,17 @@ def attention_backward(
     >>> dq.shape, dk.shape, bool(np.allclose(dv.sum(axis=(1, 2)), dout.sum(axis=(1, 2))))
     ((1, 4, 40, 8), (1, 2, 40, 8), True)
     """
+    grouped = token_groups.grouping(
+        q, k, v, layout, causal=causal, scale=scale, backend=backend, score_mod=score_mod,
+        dout=dout, out=out, lse=lse,
+    )  # fmt: skip
+    if grouped is not None:
+        rows = (grouped.rows(x) for x in (dout, q))
+        dq, dk, dv = attention_backward(
+            *rows, k, v, grouped.rows(out), grouped.rows(lse), grouped.layout, scale=grouped.scale,
+            backend=backend,
+        )  # fmt: skip
+        return grouped.tokens(dq), dk, dv
     if framework_of(q, "q") == "jax":
         from . import jax as adapter
 

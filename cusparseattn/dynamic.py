@@ -24,9 +24,11 @@ the last key block and on counts outside ``[0, k]``; on a GPU nothing is read ba
 On a GPU the CUDA kernels run per-block layouts, forward and backward, on both kernel paths: their tile
 tables are built on the device at every call from the index arrays (`cusparseattn.dynamic_tables`), so a
 step reads nothing back on the host and replays in a CUDA graph with the indices refilled in place. They take
-one static part with partial blocks (``within`` or ``plus``: the other block-granular); `backends.why_not`
-says what else they refuse (per-token layouts, JAX arrays), and the reference runs those, reading the
-indices once per pass (one small copy to the host on a GPU: `DynamicLayout.to_layout`). A new
+one static part with partial blocks (``within`` or ``plus``: the other block-granular). A per-token layout
+whose KV group of 16 to 128 query heads (a power of two) shares the selection, as NSA's does, reaches them
+as a per-block layout over grouped rows (`cusparseattn.token_groups`); `backends.why_not` says what else
+they refuse, and the reference runs those, reading the indices once per pass (one small copy to the host on
+a GPU: `DynamicLayout.to_layout`). A new
 `DynamicLayout` object makes a new plan (its tables and kernels are kept by the indices' shape) and
 ``torch.compile`` takes it as a constant; under ``jax.jit`` the index arrays may be traced (they are operands
 of the XLA call that runs the reference, so a jitted step takes new indices without tracing again).

@@ -30,7 +30,11 @@ def reasons(layout: DynamicLayout) -> list[str]:
     """Why the kernels cannot run this (fitted) dynamic layout; empty when they can."""
     out = []
     if layout.per != "block":
-        out.append("the kernels take dynamic layouts per query block (block_indices), not per token yet")
+        out.append(
+            "the kernels take dynamic layouts per query block (block_indices): a per-token one reaches them "
+            "as a per-block layout over grouped rows, which attention() makes where the query heads of each "
+            "KV group share the selection (cusparseattn.token_groups)"
+        )
     partial = [p for p in (layout.within, layout.plus) if p is not None and p.partial.any()]
     if len(partial) == 2:
         out.append(

@@ -37,7 +37,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from . import backends, call, native_backends, plans
+from . import backends, call, native_backends, plans, token_groups
 from .arrays import NumpyTensor, XlaBuffer, cupy_stream, wrap
 from .call import Inputs
 from .dynamic import DynamicLayout
@@ -65,6 +65,10 @@ def attention(
     >>> out.dtype, lse.dtype, lse.shape
     (dtype(bfloat16), dtype('float32'), (1, 2, 40))
     """
+    options = dict(causal=causal, scale=scale, return_lse=return_lse, backend=backend, score_mod=score_mod)
+    grouped = token_groups.attend(attention, q, k, v, layout, **options)
+    if grouped is not None:
+        return grouped
     inputs = call.prepare(q, k, v, layout, causal=causal, scale=scale, score_mod=score_mod)
     # A dynamic layout's index arrays are operands of the XLA calls, read where they run.
     dynamic = isinstance(inputs.layout, DynamicLayout)

@@ -100,6 +100,10 @@ class CudaBackend(Backend):
             from . import dynamic_tables
 
             reasons += dynamic_tables.reasons(inputs.layout)
+            if inputs.layout.per == "token":
+                from . import token_groups
+
+                reasons += [f"grouped rows cannot take it: {r}" for r in token_groups.reasons(inputs)]
         if not inputs.on_gpu:
             reasons.append(f"the inputs are on {device_name(inputs.device)}, not on a CUDA device")
         reasons += devices.available()

@@ -38,6 +38,7 @@ __all__ = [
     "NO_GPU",
     "backward_refs",
     "check_close",
+    "check_step",
     "forward_refs",
     "gpu_count",
     "poisoned",
@@ -168,3 +169,13 @@ def backward_refs(dout, q, k, v, layout, *, scale=None, low=None):
     dout, q, k, v = (x if low is None else np.asarray(x).astype(low) for x in (dout, q, k, v))
     out, lse = reference.forward(q, k, v, layout, scale=scale)
     return ref64, reference.backward(dout, q, k, v, out, lse, layout, scale=scale)
+
+
+def check_step(results, dout, q, k, v, layout, *, dtype):
+    """Assert that a training step's ``results`` (out, dq, dk, dv: host arrays) are as close to the reference
+    of the host arrays ``dout, q, k, v`` on ``layout`` as `check_close` asks."""
+    ref64, low_ref = forward_refs(q, k, v, layout)
+    check_close("out", results[0], ref64[0], low_ref[0], dtype=dtype)
+    g64, g_low = backward_refs(dout, q, k, v, layout)
+    for name, got, want, want_low in zip(("dq", "dk", "dv"), results[1:], g64, g_low, strict=True):
+        check_close(name, got, want, want_low, dtype=dtype)

@@ -39,7 +39,7 @@ from typing import NoReturn
 
 import torch
 
-from . import backends, call, plans
+from . import backends, call, plans, token_groups
 from .arrays import FixedTensor, torch_device, torch_dtype_name
 
 
@@ -227,6 +227,11 @@ def attention(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)
     )
     if not torch.compiler.is_compiling():
+        # A per-token layout whose KV group shares the selection runs the kernels over grouped rows.
+        options = dict(causal=causal, scale=scale, backend=backend, score_mod=score_mod, recompute=recompute)
+        grouped = token_groups.attend(attention, q, k, v, layout, return_lse=return_lse, **options)
+        if grouped is not None:
+            return grouped
         out, lse = _eager(q, k, v, layout, causal, scale, backend, score_mod, recompute, backward)
         return (out, lse) if return_lse else out
     layout_key, score_key, default_scale, _, error = _plan(
