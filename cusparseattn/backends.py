@@ -55,6 +55,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from . import token_groups
 from .arrays import Tensor, device_name
 from .call import Inputs, prepare
 
@@ -430,6 +431,11 @@ def _warn_fallback(slow: str, rejected: dict[str, list[str]]) -> None:
 
 def _inputs_of(q, k, v, layout, op: str, causal: bool, score_mod) -> Inputs:
     _check_op(op)
+    # A per-token layout that `attention` runs over grouped rows is asked about as that call (a copy of q).
+    mod = dict(scale=None, backend=None, score_mod=score_mod)
+    grouped = token_groups.grouping(q, k, v, layout, causal=causal, **mod)
+    if grouped is not None:
+        return prepare(grouped.rows(q), k, v, grouped.layout, causal=False, scale=grouped.scale)
     # The backward's questions are about q, k, v (dtype, head dim, device): asked before any forward.
     return prepare(q, k, v, layout, causal=causal, scale=None, score_mod=score_mod)
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from kernel_cases import hopper_path, to_host
 
 import cusparseattn as ca
-from cusparseattn import call, dynamic, patterns, token_groups
+from cusparseattn import backends, call, dynamic, patterns, token_groups
 from cusparseattn.testing import check_step, random_qkv
 
 
@@ -137,7 +137,9 @@ def test_the_kernels_run_grouped_rows_and_match_the_reference(monkeypatch, hoppe
     dev = dict(device="cuda", dtype=getattr(torch, dtype))
     tq, tk, tv = (torch.tensor(x, **dev, requires_grad=True) for x in (q, k, v))
     t_idx, t_counts = (torch.tensor(x, device="cuda") for x in (idx, counts))
-    out = ca.attention(tq, tk, tv, dynamic.token_indices(t_idx, t_counts, block=block), causal=True)
+    lay = dynamic.token_indices(t_idx, t_counts, block=block)
+    assert backends.runs_on(tq, tk, tv, lay, causal=True).startswith("cuda")
+    out = ca.attention(tq, tk, tv, lay, causal=True)
     assert launched and any(name.endswith("_sm90") for name in launched) == hopper
     dout = torch.randn_like(out)
     out.backward(dout)
