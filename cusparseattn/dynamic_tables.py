@@ -67,7 +67,8 @@ def _ptr(counts: np.ndarray) -> np.ndarray:
 
 def _state(layout) -> np.ndarray:
     """A static part's blocks as kernels/dynamic_tables.cu reads them: 0 none, 1 full, 2 partial."""
-    return np.where(layout.full, 1, np.where(layout.blocks, 2, 0)).astype(np.uint8)
+    # partial blocks are set blocks: 1 for each set block, 1 more for each partial one
+    return layout.blocks.view(np.uint8) + layout.partial.view(np.uint8)
 
 
 class DynamicTables:
