@@ -68,7 +68,7 @@ class Grouping:
         copies: eager JAX indices are read at the call)."""
         q, fitted = inputs.q, inputs.layout
         self.scale = inputs.scale
-        self.batch, self.heads_q, self.seq_q, self.head_dim = q.shape
+        self.batch, self.heads_q, self.seq_q = q.shape[:3]
         self.heads_kv = inputs.k.shape[1]
         self.group = self.heads_q // self.heads_kv
         parts = (grouped_part(p, self.group) for p in (fitted.within, fitted.plus))

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
+import cusparseattn as ca
 from cusparseattn import BlockLayout, TokenRule, patterns
-from cusparseattn.testing import poisoned
+from cusparseattn.testing import check_step, poisoned
 
 DTYPES = ["float16", "bfloat16"]
 #: float32's precisions on the kernels, with the dtype whose reference bounds each one's error: TF32 keeps
@@ -107,6 +108,31 @@ def hopper_path(monkeypatch, hopper: bool) -> list[str]:
 
     monkeypatch.setattr(launches.Bound, "launch", record)
     return launched
+
+
+def check_jitted_dynamic_steps(host, dout, make, draw, block):
+    """A jitted training step (``jax.vjp`` of causal ``attention``) over a dynamic layout ``make(idx,
+    block=block)`` whose indices are traced operands: each of two steps' new indices (``draw()``) refills
+    its tables on XLA's stream without tracing again, and its out and gradients match the reference of the
+    host arrays ``host`` (q, k, v) and ``dout``. Skips where JAX sees no GPU."""
+    jax = pytest.importorskip("jax")
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:
+        pytest.skip("JAX sees no GPU (a CPU-only jaxlib)")
+    q, k, v, jd = (jax.device_put(x, gpus[0]) for x in (*host, dout))
+
+    def step(q, k, v, idx):
+        lay = make(idx, block=block)
+        out, vjp = jax.vjp(lambda q, k, v: ca.attention(q, k, v, lay, causal=True), q, k, v)
+        return out, *vjp(jd)
+
+    jitted = jax.jit(step)
+    for _ in range(2):
+        idx = draw()
+        results = jax.block_until_ready(jitted(q, k, v, jax.device_put(idx, gpus[0])))
+        lay_host = make(idx, block=block) & patterns.causal(block=block)
+        check_step([np.asarray(r) for r in results], dout, *host, lay_host, dtype="bfloat16")
+    assert jitted._cache_size() == 1
 
 
 def random_layout(rng, sq, sk, block, batch, heads, with_rule):

@@ -4,11 +4,14 @@ reference."""
 
 from __future__ import annotations
 
+import functools
+
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_cases import hopper_path, to_host
+from kernel_cases import check_jitted_dynamic_steps, hopper_path, to_host
 
 import cusparseattn as ca
 from cusparseattn import BlockLayout, backends, dynamic, patterns, plan
@@ -211,30 +214,12 @@ def test_a_new_layout_each_step_reuses_the_plan_and_reads_its_own_indices():
 def test_jax_jit_runs_the_kernels_on_traced_indices(monkeypatch, hopper):
     """Inside jax.jit the indices are traced operands of the XLA calls: each step's new ones refill the
     tables on XLA's stream, without tracing again."""
-    jax = pytest.importorskip("jax")
-    import ml_dtypes
-
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    if not gpus:
-        pytest.skip("JAX sees no GPU (a CPU-only jaxlib)")
     launched = hopper_path(monkeypatch, hopper)
     rng = np.random.default_rng(21 + hopper)
     B, H, S, D, block = 1, 2, 640, 128, 64
     n = S // block
     host = random_qkv(rng, B, H, H, S, S, D, ml_dtypes.bfloat16)
     dout = rng.standard_normal(host[0].shape).astype(ml_dtypes.bfloat16)
-    q, k, v, jd = (jax.device_put(x, gpus[0]) for x in (*host, dout))
-
-    def step(q, k, v, idx):
-        lay = dynamic.block_indices(idx, block=block)
-        out, vjp = jax.vjp(lambda q, k, v: ca.attention(q, k, v, lay, causal=True), q, k, v)
-        return out, *vjp(jd)
-
-    jitted = jax.jit(step)
-    for _ in range(2):
-        idx = _indices(rng, (B, H, n, 3), n)
-        results = jax.block_until_ready(jitted(q, k, v, jax.device_put(idx, gpus[0])))
-        lay_host = dynamic.block_indices(idx, block=block) & patterns.causal(block=block)
-        check_step([np.asarray(r) for r in results], dout, *host, lay_host, dtype="bfloat16")
-    assert jitted._cache_size() == 1
+    draw = functools.partial(_indices, rng, (B, H, n, 3), n)
+    check_jitted_dynamic_steps(host, dout, dynamic.block_indices, draw, block)
     assert launched and any(name.endswith("_sm90") for name in launched) == hopper

@@ -4,11 +4,14 @@ autograd, no host sync) and under jax.jit."""
 
 from __future__ import annotations
 
+import functools
+
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_cases import hopper_path, to_host
+from kernel_cases import check_jitted_dynamic_steps, hopper_path, to_host
 
 import cusparseattn as ca
 from cusparseattn import backends, call, dynamic, patterns, token_groups
@@ -176,29 +179,11 @@ def test_the_kernels_run_grouped_rows_and_match_the_reference(monkeypatch, hoppe
 
 @pytest.mark.gpu
 def test_jax_jit_runs_grouped_rows_on_traced_indices(monkeypatch):
-    jax = pytest.importorskip("jax")
-    import ml_dtypes
-
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    if not gpus:
-        pytest.skip("JAX sees no GPU (a CPU-only jaxlib)")
     launched = hopper_path(monkeypatch, True)
     rng = np.random.default_rng(3)
     B, Hq, Hkv, S, D, block = 1, 16, 1, 256, 128, 64
     host = random_qkv(rng, B, Hq, Hkv, S, S, D, ml_dtypes.bfloat16)
     dout = rng.standard_normal(host[0].shape).astype(ml_dtypes.bfloat16)
-    q, k, v, jd = (jax.device_put(x, gpus[0]) for x in (*host, dout))
-
-    def step(q, k, v, idx):
-        lay = dynamic.token_indices(idx, block=block)
-        out, vjp = jax.vjp(lambda q, k, v: ca.attention(q, k, v, lay, causal=True), q, k, v)
-        return out, *vjp(jd)
-
-    jitted = jax.jit(step)
-    for _ in range(2):
-        idx = _nsa_like(rng, B, Hkv, S, block, 3)
-        results = jax.block_until_ready(jitted(q, k, v, jax.device_put(idx, gpus[0])))
-        lay_host = dynamic.token_indices(idx, block=block) & patterns.causal(block=block)
-        check_step([np.asarray(r) for r in results], dout, *host, lay_host, dtype="bfloat16")
-    assert jitted._cache_size() == 1
+    draw = functools.partial(_nsa_like, rng, B, Hkv, S, block, 3)
+    check_jitted_dynamic_steps(host, dout, dynamic.token_indices, draw, block)
     assert any(name.endswith("_sm90") for name in launched)
